@@ -23,6 +23,8 @@ class EngineConfig:
     max_context: int | None = None
     seed: int = 0
     threads: int | None = None
+    # CPU fp32 GEMMs through numpy's OpenBLAS (see model/linear.py): auto = on for CPU fp32.
+    cpu_blas: str = "auto"
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:
@@ -32,6 +34,8 @@ class EngineConfig:
                 raise ValueError(f"engine.{key} must be >= 1, got {getattr(self, key)}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"engine.num_pages must be >= 1, got {self.num_pages}")
+        if self.cpu_blas not in ("auto", "numpy", "torch"):
+            raise ValueError(f"engine.cpu_blas={self.cpu_blas!r}: use auto, numpy or torch")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"engine.kv_cache_gb must be > 0, got {self.kv_cache_gb}")
 

@@ -16,10 +16,11 @@ from tqdm.auto import tqdm
 from inference_eval.attention import BatchLayout, make_backend
 from inference_eval.config import EngineConfig
 from inference_eval.kv_cache import KVCache
+from inference_eval.model.linear import set_cpu_blas
 from inference_eval.model.transformer import TransformerLM
 from inference_eval.page_allocator import PageAllocator
 from inference_eval.prompts_format import encode_prompt
-from inference_eval.request import Request, Status
+from inference_eval.request import Request
 from inference_eval.sampling import SamplingParams, SamplingTensors, sample
 from inference_eval.scheduler import ScheduledBatch, Scheduler
 
@@ -44,6 +45,11 @@ class LLMEngine:
         arch = model.arch
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
+        self.cpu_blas = self.cfg.cpu_blas == "numpy" or (
+            self.cfg.cpu_blas == "auto" and self.device.type == "cpu" and self.dtype == torch.float32)
+        set_cpu_blas(model, self.cpu_blas)
         self.max_context = min(arch.max_position_embeddings, self.cfg.max_context or 1 << 62)
         num_pages = self.cfg.resolve_num_pages(
             KVCache.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype))
@@ -83,9 +89,22 @@ class LLMEngine:
                            block_tables=[r.pages for r in batch.requests],
                            page_size=self.cfg.page_size)
 
-    @torch.inference_mode()
     def step(self) -> list[Request]:
         """Run one scheduled step; returns the requests that finished in it."""
+        if not self.cpu_blas:
+            with torch.inference_mode():
+                return self._step()
+        # OpenBLAS runs the GEMMs on its own threads; torch's OpenMP pool spinning beside it
+        # halves decode speed (measured), and the remaining torch ops are tiny at decode.
+        prev = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with torch.inference_mode():
+                return self._step()
+        finally:
+            torch.set_num_threads(prev)
+
+    def _step(self) -> list[Request]:
         batch = self.scheduler.schedule()
         done = list(batch.failed)
         if not batch.requests:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_eval.model.arch import ModelArch
+from inference_eval.model.linear import Linear
 from inference_eval.model.rope import apply_rope
 
 
@@ -34,7 +35,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics as in the reference implementations; the fused op is one kernel.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel
+        # Low precision: fp32 statistics, cast back before the weight, as HF does.
         out = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * out.to(x.dtype)
 
@@ -46,9 +49,9 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
         # One fused projection: three small GEMMs cost three dispatches per layer at decode.
-        self.qkv_proj = nn.Linear(in_features or arch.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(in_features or arch.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
         if arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
@@ -73,8 +76,8 @@ class MLP(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.inter = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)

@@ -11,6 +11,7 @@ from inference_eval.attention.plan import AttentionPlan
 from inference_eval.kv_cache import KVCache
 from inference_eval.model.arch import ModelArch
 from inference_eval.model.layers import DecoderLayer, RMSNorm
+from inference_eval.model.linear import Linear, matmul_wt
 from inference_eval.model.rope import rope_inv_freq, rope_tables
 
 
@@ -40,13 +41,15 @@ class StepContext:
 class TransformerLM(nn.Module):
     """Embedding, `num_layers` shared decoder layers, final RMSNorm, lm_head (tied or not)."""
 
+    cpu_blas: bool = False  # see model/linear.py; engines switch it on for CPU fp32
+
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(
+        self.lm_head = None if arch.tie_word_embeddings else Linear(
             arch.hidden_size, arch.vocab_size, bias=False)
         cos, sin = rope_tables(rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling),
                                arch.max_position_embeddings)
@@ -60,7 +63,7 @@ class TransformerLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] pre-norm -> logits [N, V] fp32."""
-        return (self.norm(hidden) @ self.lm_head_weight.t()).float()
+        return matmul_wt(self.norm(hidden), self.lm_head_weight, self.cpu_blas).float()
 
     def forward(
         self,

@@ -49,7 +49,10 @@ def end_of_turn_marker(tokenizer) -> str:
     """
     rendered = _render(
         tokenizer,
-        [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}],
+        [
+            {"role": "user", "content": _PROBE_USER},
+            {"role": "assistant", "content": _PROBE_ASSISTANT},
+        ],
     )
     k = rendered.rfind(_PROBE_ASSISTANT)
     if k < 0:
@@ -84,6 +87,10 @@ def assistant_char_spans(
     marker: str | None = None
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
+            # Step past this turn's text, so the fallback cannot match a short answer ("4")
+            # inside the question that precedes it.
+            k = full.find(m["content"].strip(), cursor)
+            cursor = cursor if k < 0 else k + len(m["content"].strip())
             continue
         span = _prefix_span(tokenizer, messages, i, full) if i > 0 else None
         if span is None:

@@ -21,8 +21,8 @@ class DataConfig:
     """Chat data for precompute.
 
     source: "sharegpt" (JSON array; path None = the embedded ShareGPT_V3 file), "jsonl" (path
-    required; a JSON-array file is also accepted) or "hf" (`datasets`: hf_name is a hub name or a local
-    dataset path, with hf_config and hf_split).
+    required; a JSON-array file is also accepted) or "hf" (`datasets`: hf_name is a hub name
+    or a local dataset path, with hf_config and hf_split).
     skip: first N raw records passed over (kept out for a held-out split).
     limit: max conversations kept after validation (None = all).
     max_length: tokens per conversation after the chat template; longer ones are truncated.

