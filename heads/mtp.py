@@ -1,0 +1,36 @@
+"""The RMSNorm-augmented MTP head (DeepSeek-V3 layout; the default).
+
+    e = enorm(E[x_{t+1}]); h = hnorm(hidden_t); z = eh_proj([e; h])   (2H -> H)
+    o = DecoderLayer(z)            (full layer, its own input and post-attention norms)
+    logits = lm_head(final_norm(o))  (frozen lm_head of the target), o feeds step k+1
+
+The two input norms put the embedding and the hidden state on one scale before the
+projection, and the final norm lets the layer emit into the space the frozen lm_head was
+trained on; without them 70B-scale heads did not converge (see the reference write-up).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from heads.base import DraftHead
+from heads.config import HeadConfig
+from heads.frozen import FrozenParts
+from inference_eval.model.layers import DecoderLayer, RMSNorm
+from inference_eval.model.linear import Linear
+
+
+class MTPHead(DraftHead):
+    def __init__(self, cfg: HeadConfig, parts: FrozenParts) -> None:
+        super().__init__(cfg, parts)
+        a, h = self.arch, self.arch.hidden_size
+        self.enorm = RMSNorm(h, a.rms_norm_eps)
+        self.hnorm = RMSNorm(h, a.rms_norm_eps)
+        self.eh_proj = Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(a, 0)
+        self.final_norm = RMSNorm(h, a.rms_norm_eps)
+
+    def step(self, tokens: torch.Tensor, hidden_in: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(tokens)), self.hnorm(hidden_in)], -1))
+        o = self.layer(z, ctx)
+        return o, self.final_norm(o)

@@ -1,0 +1,87 @@
+"""Multi-step training rollout, exactly per ARCHITECTURE's alignment table.
+
+Step k (1-based) at position t of a packed sequence (local index i, length n):
+  hidden input: h_t from the target (k = 1) or the head's step k-1 output at t
+  token input : x_{t+k}            (a pad id when i + k >= n; such rows are never valid)
+  predicts    : x_{t+k+1}, soft label p_{t+k} = softmax(lm_head(final_norm(h_{t+k})))
+  valid when  : i + k + 1 < n and loss_mask[t+k+1]
+No index ever crosses a sequence boundary: every shifted index is checked against its own
+sequence's length before use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from heads.base import DraftHead
+from heads.medusa import MedusaHead
+from heads.rollout_attention import RolloutContext, RolloutPlan
+
+
+@dataclass
+class PackedBatch:
+    """input_ids [N] int64, hidden [N, H] (target, pre-norm), aux [N, A, H] or None,
+    loss_mask [N] bool, seq_lens: lengths of the S packed sequences (sum N)."""
+
+    input_ids: torch.Tensor
+    hidden: torch.Tensor
+    loss_mask: torch.Tensor
+    seq_lens: list[int]
+    aux: torch.Tensor | None = None
+
+    def to(self, device, dtype=None) -> "PackedBatch":
+        f = (lambda t: None if t is None else t.to(device, dtype))
+        return PackedBatch(self.input_ids.to(device), f(self.hidden), self.loss_mask.to(device),
+                           self.seq_lens, f(self.aux))
+
+
+@dataclass
+class StepIndex:
+    """For one step k: token ids [N], label rows [N] (index of h_{t+k}), valid [N] bool."""
+
+    tokens: torch.Tensor
+    label_rows: torch.Tensor
+    valid: torch.Tensor
+
+
+def step_indices(batch: PackedBatch, k: int) -> StepIndex:
+    n_tok = batch.input_ids.shape[0]
+    dev = batch.input_ids.device
+    lens = torch.tensor(batch.seq_lens, device=dev)
+    seq_len = lens.repeat_interleave(lens)  # [N] length of each token's sequence
+    starts = torch.cumsum(lens, 0) - lens
+    local = torch.arange(n_tok, device=dev) - starts.repeat_interleave(lens)
+    t = torch.arange(n_tok, device=dev)
+    last = n_tok - 1
+    tok_ok = local + k < seq_len
+    tokens = torch.where(tok_ok, batch.input_ids[(t + k).clamp(max=last)], 0)
+    valid = (local + k + 1 < seq_len) & batch.loss_mask[(t + k + 1).clamp(max=last)].bool()
+    return StepIndex(tokens=tokens, label_rows=(t + k).clamp(max=last), valid=valid)
+
+
+@dataclass
+class StepOutput:
+    features: torch.Tensor  # [N, H] -> lm_head
+    next_hidden: torch.Tensor  # [N, H]
+    index: StepIndex
+
+
+def rollout(head: DraftHead, batch: PackedBatch) -> list[StepOutput]:
+    """Run K = head.cfg.num_steps draft steps over a packed batch (autograd-friendly)."""
+    outs = []
+    hidden_in = head.first_hidden(batch.hidden, batch.aux)
+    if isinstance(head, MedusaHead):
+        for k in range(1, head.cfg.num_steps + 1):
+            f = head.medusa_step(k, hidden_in)
+            outs.append(StepOutput(f, f, step_indices(batch, k)))
+        return outs
+    ctx = RolloutContext(RolloutPlan(batch.seq_lens, batch.input_ids.device),
+                         head.rope_cos, head.rope_sin)
+    for k in range(1, head.cfg.num_steps + 1):
+        idx = step_indices(batch, k)
+        nxt, feats = head.step(idx.tokens, hidden_in, ctx)
+        outs.append(StepOutput(feats, nxt, idx))
+        hidden_in = nxt
+        ctx.next_step()
+    return outs

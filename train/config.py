@@ -1,0 +1,93 @@
+"""Typed configs of `python -m train` (conf/train.yaml)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from heads.config import HeadConfig
+from inference_eval.config import EngineConfig
+from inference_eval.target import TargetConfig
+
+STRATEGIES = ("auto", "none", "ddp", "fsdp", "deepspeed")
+PRECISIONS = ("auto", "no", "bf16", "fp16")
+WANDB_MODES = ("offline", "online", "disabled")
+
+# ShareGPT records from this index on are never used by the default training split; the
+# validation set and the `sharegpt_heldout` eval prompts are drawn from there.
+HELDOUT_SKIP = 17000
+
+
+@dataclass
+class TrainDataConfig:
+    shards: str = "runs/shards"
+    batch_tokens: int = 8192  # packed tokens per micro-batch (per rank)
+    verify_checksums: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if self.grad_accum < 1:
+            raise ValueError(f"optim.grad_accum must be >= 1, got {self.grad_accum}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass
+class TrainerConfig:
+    strategy: str = "auto"  # auto: ddp under torchrun, none otherwise
+    mixed_precision: str = "auto"  # auto: bf16 on CUDA with bf16 support, else no
+    max_steps: int = 200  # optimizer steps
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 100
+    eval_every: int = 100
+    loss_chunk: int = 1024
+    wandb: str = "offline"
+    wandb_project: str = "specheads"
+    tensorboard: bool = False
+    progress: bool = True
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"trainer.strategy={self.strategy!r}: use one of {STRATEGIES}")
+        if self.mixed_precision not in PRECISIONS:
+            raise ValueError(f"trainer.mixed_precision={self.mixed_precision!r}: use one of {PRECISIONS}")
+        if self.wandb not in WANDB_MODES:
+            raise ValueError(f"trainer.wandb={self.wandb!r}: use one of {WANDB_MODES}")
+        if self.max_steps < 1:
+            raise ValueError(f"trainer.max_steps must be >= 1, got {self.max_steps}")
+
+
+@dataclass
+class ValidationConfig:
+    """Engine-side validation on held-out ShareGPT conversations (records >= HELDOUT_SKIP)."""
+
+    enabled: bool = True
+    num_conversations: int = 8
+    max_length: int = 512
+    skip: int = HELDOUT_SKIP
+    path: str | None = None  # another ShareGPT/JSONL file instead of the embedded one
+
+
+@dataclass
+class TrainConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    data: TrainDataConfig = field(default_factory=TrainDataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    output_dir: str = "runs/head"

@@ -1,0 +1,125 @@
+"""Training data: verified, memory-mapped shards packed into token-budget micro-batches.
+
+Order is a pure function of (seed, epoch): sequences are shuffled, packed greedily up to
+`batch_tokens`, and micro-batch j goes to rank j % world. Resuming at optimizer step s
+skips exactly the micro-batches steps < s consumed, so a resumed run sees the same data.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from heads.rollout import PackedBatch
+from precompute.manifest import Manifest
+from precompute.shard_io import Shard, read_shard
+
+
+@dataclass
+class SeqRef:
+    shard: int
+    start: int
+    end: int
+
+
+class ShardStore:
+    """All sequences of a precompute output_dir; checksums verified once at open."""
+
+    def __init__(self, shards_dir: str | Path, verify: bool = True) -> None:
+        self.dir = Path(shards_dir)
+        self.manifest = Manifest.load(self.dir / "manifest.json")
+        if not self.manifest.complete:
+            raise ValueError(f"{self.dir}: precompute did not finish (manifest incomplete); "
+                             "rerun it to resume")
+        self.shards: list[Shard] = []
+        self.seqs: list[SeqRef] = []
+        for i, e in enumerate(self.manifest.shards):
+            shard = read_shard(self.dir / e.file, e.sha256 if verify else None)
+            self.shards.append(shard)
+            cu = shard.cu_seqlens.tolist()
+            self.seqs.extend(SeqRef(i, a, b) for a, b in zip(cu[:-1], cu[1:]))
+        if not self.seqs:
+            raise ValueError(f"{self.dir}: the shards hold no sequences")
+
+    @property
+    def aux_layers(self) -> list[int]:
+        return list(self.manifest.aux_layers)
+
+    def check_target(self, identity: dict) -> None:
+        """Refuse shards made from another target: arch and weights fingerprint must match."""
+        m = self.manifest.target
+        if m.get("arch", {}).get("hidden_size") != identity["arch"]["hidden_size"] or \
+                m.get("arch", {}).get("vocab_size") != identity["arch"]["vocab_size"]:
+            raise ValueError(f"shards in {self.dir} were made from target {m.get('name')!r} "
+                             f"(hidden {m.get('arch', {}).get('hidden_size')}), not from "
+                             f"{identity['name']!r} (hidden {identity['arch']['hidden_size']})")
+        for key in ("frozen_sha256", "weights_sha256"):
+            if key in m and key in identity and m[key] != identity[key]:
+                raise ValueError(f"shards in {self.dir} were made from different target weights "
+                                 f"({key} {m[key][:12]} != {identity[key][:12]} of "
+                                 f"{identity['name']!r}); precompute again for this target")
+
+    def batches(self, batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+        """Sequence indices per micro-batch for one epoch (deterministic)."""
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        order = torch.randperm(len(self.seqs), generator=g).tolist()
+        out, cur, used = [], [], 0
+        for i in order:
+            n = self.seqs[i].end - self.seqs[i].start
+            if cur and used + n > batch_tokens:
+                out.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += n
+        if cur:
+            out.append(cur)
+        return out
+
+    def collate(self, seq_ids: list[int], dtype: torch.dtype = torch.float32) -> PackedBatch:
+        parts = [(self.shards[self.seqs[i].shard], self.seqs[i].start, self.seqs[i].end) for i in seq_ids]
+        ids = torch.cat([s.input_ids[a:b] for s, a, b in parts]).long()
+        mask = torch.cat([s.loss_mask[a:b] for s, a, b in parts]).bool()
+        hidden = torch.cat([_dequant(s, a, b, dtype) for s, a, b in parts])
+        aux = None
+        if parts[0][0].aux_hidden is not None:
+            aux = torch.cat([s.aux_hidden[a:b].to(dtype) for s, a, b in parts])
+        return PackedBatch(ids, hidden, mask, [b - a for _, a, b in parts], aux)
+
+
+def _dequant(s: Shard, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+    h = s.hidden[a:b].to(dtype)
+    if s.hidden_scale is not None:
+        h = h * s.hidden_scale[a:b].to(dtype).unsqueeze(-1)
+    return h
+
+
+class MicroBatchStream:
+    """Endless rank-local micro-batches across epochs; `skip(n)` fast-forwards on resume."""
+
+    def __init__(self, store: ShardStore, batch_tokens: int, seed: int, rank: int, world: int) -> None:
+        self.store, self.batch_tokens, self.seed = store, batch_tokens, seed
+        self.rank, self.world = rank, world
+        self.epoch, self.pos, self.consumed = 0, 0, 0
+        self._load_epoch()
+
+    def _load_epoch(self) -> None:
+        everything = self.store.batches(self.batch_tokens, self.seed, self.epoch)
+        usable = len(everything) - len(everything) % self.world  # equal count on every rank
+        if usable == 0:
+            raise ValueError(f"{len(everything)} micro-batches cannot feed {self.world} ranks; "
+                             "lower data.batch_tokens or precompute more data")
+        self.mine = everything[self.rank:usable:self.world]
+
+    def next(self) -> list[int]:
+        if self.pos >= len(self.mine):
+            self.epoch, self.pos = self.epoch + 1, 0
+            self._load_epoch()
+        out = self.mine[self.pos]
+        self.pos += 1
+        self.consumed += 1
+        return out
+
+    def skip(self, n: int) -> None:
+        for _ in range(n):
+            self.next()

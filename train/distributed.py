@@ -1,0 +1,51 @@
+"""The one place that knows about processes: accelerate setup for none/DDP/FSDP/DeepSpeed.
+
+Model code (heads/) stays single-device; this wraps it from outside (STYLE 4). One process
+works without torchrun; under torchrun the same command scales.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from train.config import TrainerConfig
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def resolve_precision(cfg: TrainerConfig, device_type: str) -> str:
+    if cfg.mixed_precision != "auto":
+        return cfg.mixed_precision
+    if device_type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "no"
+
+
+def make_accelerator(cfg: TrainerConfig):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    strategy = cfg.strategy
+    if strategy == "auto":
+        strategy = "ddp" if world_size() > 1 else "none"
+    if strategy == "none" and world_size() > 1:
+        raise ValueError("trainer.strategy=none under torchrun: use ddp, fsdp or deepspeed")
+    kwargs = {}
+    if strategy == "fsdp":
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        # use_orig_params: heads mix trainable weights with frozen norms in one module.
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(use_orig_params=True)
+    elif strategy == "deepspeed":
+        from accelerate.utils import DeepSpeedPlugin
+
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=2, gradient_clipping=None)
+    # Frozen lm_head/embedding buffers are identical on every rank: never re-broadcast them.
+    ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
+    acc = Accelerator(cpu=cpu, mixed_precision=resolve_precision(cfg, "cpu" if cpu else "cuda"),
+                      kwargs_handlers=[ddp], **kwargs)
+    return acc, strategy

@@ -1,0 +1,111 @@
+"""`python -m train`: the training loop. Reads top to bottom: batch, forward, loss, backward,
+clip, step, log; checkpointing and validation are called from the loop, not inlined."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from heads.checkpoint import save_head
+from heads.eagle3 import build_draft_vocab
+from heads.frozen import load_frozen
+from heads.objective import summarize
+from heads.registry import build_head
+from train.config import TrainConfig
+from train.data import MicroBatchStream, ShardStore
+from train.distributed import make_accelerator
+from train.logging import MetricLogger
+from train.schedule import make_optimizer, make_scheduler
+from train.state import latest_checkpoint, load_training_state, save_training_state
+
+
+def prepare(cfg: TrainConfig):
+    """Everything checked before the first step: shards, target match, head/shard fit."""
+    store = ShardStore(cfg.data.shards, verify=cfg.data.verify_checksums)
+    parts = load_frozen(cfg.target)
+    store.check_target(parts.identity)
+    head_cfg = cfg.head
+    if head_cfg.type == "eagle3":
+        if not store.aux_layers:
+            raise ValueError(f"head=eagle3 needs auxiliary layers, but {cfg.data.shards} was "
+                             "precomputed with aux=none; precompute again with aux=eagle3")
+        head_cfg = replace(head_cfg, aux_layers=store.aux_layers)
+    vocab = None
+    if head_cfg.draft_vocab_size is not None:
+        ids = torch.cat([s.input_ids for s in store.shards])
+        mask = torch.cat([s.loss_mask for s in store.shards])
+        vocab = build_draft_vocab(ids, mask, parts.arch.vocab_size, head_cfg.draft_vocab_size)
+    head = build_head(head_cfg, parts, draft_vocab=vocab, seed=cfg.trainer.seed)
+    return store, parts, head
+
+
+def train(cfg: TrainConfig) -> dict:
+    acc, strategy = make_accelerator(cfg.trainer)
+    store, parts, head = prepare(cfg)
+    out = Path(cfg.output_dir)
+    ck_root = out / "checkpoints"
+    tc, oc = cfg.trainer, cfg.optim
+    head = head.float()
+    opt = make_optimizer([p for p in head.parameters() if p.requires_grad], oc)
+    sched = make_scheduler(opt, oc, tc.max_steps)
+    start, consumed = 0, 0
+    ck = latest_checkpoint(ck_root)
+    if ck is not None:
+        start, consumed = load_training_state(ck, head, opt, sched)
+        acc.print(f"resuming from {ck} at step {start}")
+    model, opt, sched = acc.prepare(head, opt, sched)
+    stream = MicroBatchStream(store, cfg.data.batch_tokens, tc.seed, acc.process_index,
+                              acc.num_processes)
+    stream.skip(consumed)
+    logger = MetricLogger(cfg, out, enabled=acc.is_main_process)
+    k_steps = head.cfg.num_steps
+    bar = tqdm(total=tc.max_steps, initial=start, desc="train", disable=not (tc.progress and acc.is_main_process))
+    window = torch.zeros(k_steps, 4)
+    t0, tokens = time.perf_counter(), 0
+    last = {}
+    for step in range(start, tc.max_steps):
+        for _ in range(oc.grad_accum):
+            batch = store.collate(stream.next()).to(acc.device)
+            with acc.accumulate(model), acc.autocast():
+                loss, stats = model(batch, chunk=tc.loss_chunk)
+                acc.backward(loss / oc.grad_accum)
+            window += stats.detach().cpu()
+            tokens += batch.input_ids.numel()
+        if oc.grad_clip > 0:
+            acc.clip_grad_norm_(model.parameters(), oc.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        bar.update(1)
+        done = step + 1
+        if done % tc.log_every == 0 or done == tc.max_steps:
+            stats_all = acc.reduce(window.to(acc.device), reduction="sum").cpu()
+            last = {"step": done, "loss": float(stats_all[:, 0].mean() / tc.log_every / oc.grad_accum),
+                    "lr": sched.get_last_lr()[0],
+                    "tokens_per_s": tokens * acc.num_processes / (time.perf_counter() - t0),
+                    **summarize(stats_all)}
+            logger.log(last)
+            bar.set_postfix(loss=f"{last['loss']:.3f}", top1=f"{last['top1_acc'][0]:.3f}")
+            window.zero_()
+        if acc.is_main_process and (done % tc.save_every == 0 or done == tc.max_steps):
+            save_training_state(ck_root, done, acc.unwrap_model(model), opt, sched,
+                                stream.consumed, last)
+        if cfg.validation.enabled and acc.is_main_process and (done % tc.eval_every == 0 or done == tc.max_steps):
+            from train.validate import validate
+
+            logger.log({"step": done, **{f"val/{k}": v for k, v in
+                                         validate(acc.unwrap_model(model), cfg).items()}})
+    bar.close()
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        final = acc.unwrap_model(model)
+        save_head(final, out, extra={"train": {"steps": tc.max_steps, "strategy": strategy,
+                                               "shards": str(cfg.data.shards), "metrics": last}})
+        (out / "train_metrics.json").write_text(json.dumps(logger.history, indent=1))
+        acc.print(f"head checkpoint written to {out}")
+    logger.close()
+    return last
