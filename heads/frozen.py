@@ -12,7 +12,8 @@ from torch import nn
 
 from inference_eval.model.arch import ModelArch
 from inference_eval.model.layers import RMSNorm
-from inference_eval.target import TargetConfig, iter_safetensors, load_target, target_hf_dir
+from inference_eval.target import (TargetConfig, frozen_hash, iter_safetensors, load_target,
+                                   target_hf_dir)
 
 _NEEDED = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm",
            "lm_head.weight": "lm_head"}
@@ -48,9 +49,9 @@ def load_frozen(cfg: TargetConfig) -> FrozenParts:
     missing = [k for k in ("embed", "norm", "lm_head") if got.get(k) is None]
     if missing:
         raise ValueError(f"target checkpoint {hf_dir} lacks {missing}")
-    # The identity must match what precompute recorded; that hash needs the whole model, so
-    # it is read from the shards' manifest by the trainer (see train/data.py), not recomputed.
-    identity = {"name": cfg.name, "source": cfg.source, "path": cfg.path, "arch": arch.to_dict()}
+    # weights_sha256 needs the whole model; frozen_sha256 (the same on both sides) does not.
+    identity = {"name": cfg.name, "source": cfg.source, "path": cfg.path, "arch": arch.to_dict(),
+                "frozen_sha256": frozen_hash(got["embed"], got["norm"], got["lm_head"])}
     return FrozenParts(arch, got["embed"], got["norm"], got["lm_head"], identity)
 
 

@@ -111,19 +111,29 @@ def iter_safetensors(hf_dir: Path):
                 yield name, (lambda f=f, name=name: f.get_tensor(name))
 
 
-def weights_hash(model: torch.nn.Module) -> str:
-    """sha256 over parameter names, shapes and a strided sample of values.
+def _digest(named: list[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over names, shapes and a strided sample of each tensor's values.
 
     Hashing all of a 70B model's bytes would take minutes; a sample of every tensor still
-    changes whenever any weight file does in practice (fine-tunes touch every matrix)."""
+    changes whenever a weight file does in practice (fine-tunes touch every matrix)."""
     h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
+    for name, p in sorted(named, key=lambda kv: kv[0]):
         flat = p.detach().reshape(-1)
         step = max(1, flat.numel() // 4096)
         h.update(name.encode())
         h.update(str(tuple(p.shape)).encode())
-        h.update(flat[::step].float().numpy().tobytes())
+        h.update(flat[::step].float().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    return _digest(list(model.state_dict().items()))
+
+
+def frozen_hash(embed: torch.Tensor, norm_weight: torch.Tensor, lm_head: torch.Tensor) -> str:
+    """Fingerprint of the tensors a draft head borrows from its target; the trainer can
+    compute it from the checkpoint's three tensors without building the whole target."""
+    return _digest([("embed", embed), ("norm", norm_weight), ("lm_head", lm_head)])
 
 
 def load_tokenizer(cfg: TargetConfig):
@@ -165,7 +175,9 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu",
     if tok is not None and not arch.eos_token_ids and tok.eos_token_id is not None:
         arch.eos_token_ids = [tok.eos_token_id]
     identity = {"name": cfg.name, "source": cfg.source, "path": cfg.path,
-                "arch": arch.to_dict(), "weights_sha256": weights_hash(model)}
+                "arch": arch.to_dict(), "weights_sha256": weights_hash(model),
+                "frozen_sha256": frozen_hash(model.embed_tokens.weight, model.norm.weight,
+                                             model.lm_head_weight)}
     return LoadedTarget(model=model, tokenizer=tok, identity=identity, hf_dir=hf_dir)
 
 

@@ -10,6 +10,7 @@ from inference_eval.target import TargetConfig
 STRATEGIES = ("auto", "none", "ddp", "fsdp", "deepspeed")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 WANDB_MODES = ("offline", "online", "disabled")
+DEVICES = ("auto", "cpu", "cuda")
 
 # ShareGPT records from this index on are never used by the default training split; the
 # validation set and the `sharegpt_heldout` eval prompts are drawn from there.
@@ -21,6 +22,10 @@ class TrainDataConfig:
     shards: str = "runs/shards"
     batch_tokens: int = 8192  # packed tokens per micro-batch (per rank)
     verify_checksums: bool = True
+
+    def __post_init__(self) -> None:
+        if self.batch_tokens < 1:
+            raise ValueError(f"data.batch_tokens must be >= 1, got {self.batch_tokens}")
 
 
 @dataclass
@@ -68,6 +73,11 @@ class TrainerConfig:
             raise ValueError(f"trainer.wandb={self.wandb!r}: use one of {WANDB_MODES}")
         if self.max_steps < 1:
             raise ValueError(f"trainer.max_steps must be >= 1, got {self.max_steps}")
+        for key in ("log_every", "save_every", "eval_every", "loss_chunk"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"trainer.{key} must be >= 1, got {getattr(self, key)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"trainer.device={self.device!r}: use one of {DEVICES}")
 
 
 @dataclass

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from train.config import TrainerConfig
+from train.config import OptimConfig, TrainerConfig
 
 
 def world_size() -> int:
@@ -24,10 +24,11 @@ def resolve_precision(cfg: TrainerConfig, device_type: str) -> str:
     return "no"
 
 
-def make_accelerator(cfg: TrainerConfig):
+def make_accelerator(cfg: TrainerConfig, optim: OptimConfig | None = None):
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
+    optim = optim or OptimConfig()
     cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     strategy = cfg.strategy
     if strategy == "auto":
@@ -43,9 +44,12 @@ def make_accelerator(cfg: TrainerConfig):
     elif strategy == "deepspeed":
         from accelerate.utils import DeepSpeedPlugin
 
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=2, gradient_clipping=None)
+        # The engine clips and accumulates itself; accelerate's clip_grad_norm_ is a no-op there.
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
+            zero_stage=2, gradient_accumulation_steps=optim.grad_accum,
+            gradient_clipping=optim.grad_clip if optim.grad_clip > 0 else None)
     # Frozen lm_head/embedding buffers are identical on every rank: never re-broadcast them.
     ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
     acc = Accelerator(cpu=cpu, mixed_precision=resolve_precision(cfg, "cpu" if cpu else "cuda"),
-                      kwargs_handlers=[ddp], **kwargs)
+                      gradient_accumulation_steps=optim.grad_accum, kwargs_handlers=[ddp], **kwargs)
     return acc, strategy

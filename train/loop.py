@@ -44,7 +44,7 @@ def prepare(cfg: TrainConfig):
 
 
 def train(cfg: TrainConfig) -> dict:
-    acc, strategy = make_accelerator(cfg.trainer)
+    acc, strategy = make_accelerator(cfg.trainer, cfg.optim)
     store, parts, head = prepare(cfg)
     out = Path(cfg.output_dir)
     ck_root = out / "checkpoints"
@@ -57,7 +57,10 @@ def train(cfg: TrainConfig) -> dict:
     if ck is not None:
         start, consumed = load_training_state(ck, head, opt, sched)
         acc.print(f"resuming from {ck} at step {start}")
-    model, opt, sched = acc.prepare(head, opt, sched)
+    # The scheduler stays unprepared: accelerate's wrapper steps it num_processes times per
+    # optimizer step (it assumes the batch grows with the world), which would make a DDP run's
+    # schedule differ from one process's with the same global batch.
+    model, opt = acc.prepare(head, opt)
     stream = MicroBatchStream(store, cfg.data.batch_tokens, tc.seed, acc.process_index,
                               acc.num_processes)
     stream.skip(consumed)
@@ -65,15 +68,18 @@ def train(cfg: TrainConfig) -> dict:
     k_steps = head.cfg.num_steps
     bar = tqdm(total=tc.max_steps, initial=start, desc="train", disable=not (tc.progress and acc.is_main_process))
     window = torch.zeros(k_steps, 4)
-    t0, tokens = time.perf_counter(), 0
+    t0, tokens, micro = time.perf_counter(), 0, 0
     last = {}
     for step in range(start, tc.max_steps):
         for _ in range(oc.grad_accum):
             batch = store.collate(stream.next()).to(acc.device)
+            # accelerate divides the loss by grad_accum (DeepSpeed's engine does it itself) and
+            # skips the gradient all-reduce on all but the last micro-batch of the step.
             with acc.accumulate(model), acc.autocast():
                 loss, stats = model(batch, chunk=tc.loss_chunk)
-                acc.backward(loss / oc.grad_accum)
+                acc.backward(loss)
             window += stats.detach().cpu()
+            micro += 1
             tokens += batch.input_ids.numel()
         if oc.grad_clip > 0:
             acc.clip_grad_norm_(model.parameters(), oc.grad_clip)
@@ -84,13 +90,15 @@ def train(cfg: TrainConfig) -> dict:
         done = step + 1
         if done % tc.log_every == 0 or done == tc.max_steps:
             stats_all = acc.reduce(window.to(acc.device), reduction="sum").cpu()
-            last = {"step": done, "loss": float(stats_all[:, 0].mean() / tc.log_every / oc.grad_accum),
+            # mean over every micro-batch of every rank since the last log
+            last = {"step": done, "loss": float(stats_all[:, 0].mean() / (micro * acc.num_processes)),
                     "lr": sched.get_last_lr()[0],
                     "tokens_per_s": tokens * acc.num_processes / (time.perf_counter() - t0),
                     **summarize(stats_all)}
             logger.log(last)
             bar.set_postfix(loss=f"{last['loss']:.3f}", top1=f"{last['top1_acc'][0]:.3f}")
             window.zero_()
+            micro = 0
         if acc.is_main_process and (done % tc.save_every == 0 or done == tc.max_steps):
             save_training_state(ck_root, done, acc.unwrap_model(model), opt, sched,
                                 stream.consumed, last)

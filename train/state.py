@@ -64,10 +64,16 @@ def load_training_state(ck: Path, head, optimizer, scheduler) -> tuple[int, int]
     """Restore everything in place; returns (step, micro-batches consumed)."""
     from safetensors.torch import load_file
 
+    saved_type = json.loads((ck / "head" / "config.json").read_text())["head"]["type"]
+    if saved_type != head.cfg.type:
+        raise ValueError(f"checkpoint {ck} holds a {saved_type!r} head, but head.type="
+                         f"{head.cfg.type!r}: use another output_dir or the matching head")
     head_state = load_file(str(ck / "head" / "model.safetensors"))
     missing, unexpected = head.load_state_dict(head_state, strict=False)
-    if unexpected:
-        raise ValueError(f"checkpoint {ck} does not match this head: unexpected {unexpected[:5]}")
+    lost = [k for k in head.trainable_state() if k not in head_state]
+    if unexpected or lost:
+        raise ValueError(f"checkpoint {ck} does not match this head: unexpected "
+                         f"{unexpected[:5]}, missing {lost[:5]}")
     meta = json.loads((ck / "state.json").read_text())
     tensors = load_file(str(ck / "optimizer.safetensors"))
     params = [p for g in optimizer.param_groups for p in g["params"]]

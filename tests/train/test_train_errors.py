@@ -1,0 +1,98 @@
+"""Bad input stops with an error that says what is wrong, before the first training step:
+nothing is logged or checkpointed."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from inference_eval.hydra_app import compose
+from train.config import TrainConfig
+from train.loop import train
+
+
+def _cfg(common, shards, out, *extra):
+    return compose("train", TrainConfig, [*common, f"data.shards={shards}", f"output_dir={out}",
+                                          "trainer.max_steps=2", *extra])
+
+
+def _assert_nothing_trained(out):
+    assert not (out / "metrics.jsonl").exists()
+    assert not (out / "checkpoints").exists()
+    assert not (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["target.seed=1"], "different target weights"),  # same arch, other weights
+    (["target.arch.vocab_size=256"], "were made from target 'tiny-v300'"),
+    (["target.arch.hidden_size=32", "target.arch.head_dim=8"], r"hidden 64\), not from"),
+])
+def test_shards_of_another_target_are_refused(extra, match, shards, common, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        train(_cfg(common, shards, tmp_path / "out", *extra))
+    _assert_nothing_trained(tmp_path / "out")
+
+
+def test_missing_shard_file(shards_copy, common, tmp_path):
+    (shards_copy / "shard_00001.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"shard .*shard_00001.safetensors is missing"):
+        train(_cfg(common, shards_copy, tmp_path / "out"))
+    _assert_nothing_trained(tmp_path / "out")
+
+
+def test_missing_manifest(shards_copy, common, tmp_path):
+    (shards_copy / "manifest.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no manifest at"):
+        train(_cfg(common, shards_copy, tmp_path / "out"))
+
+
+def test_corrupted_shard(shards_copy, common, tmp_path):
+    f = shards_copy / "shard_00000.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-100] ^= 0xFF  # one flipped byte inside the hidden states
+    f.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"shard_00000.safetensors is corrupt"):
+        train(_cfg(common, shards_copy, tmp_path / "out"))
+    _assert_nothing_trained(tmp_path / "out")
+
+
+def test_resume_from_another_head_type(shards, common, tmp_path):
+    out = tmp_path / "out"
+    train(_cfg(common, shards, out, "head=medusa", "trainer.save_every=1"))
+    shutil.rmtree(out / "checkpoints" / "step_00000001")  # keep latest (step 2) only
+    lines = (out / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match="holds a 'medusa' head, but head.type='mtp'"):
+        train(_cfg(common, shards, out, "head=mtp", "trainer.max_steps=4"))
+    assert (out / "metrics.jsonl").read_text() == lines  # not one step of mtp ran
+
+
+@pytest.mark.parametrize("override, match", [
+    ("trainer.strategy=bogus", "trainer.strategy='bogus'"),
+    ("head.type=bogus", "head.type='bogus'"),
+    ("optim.lr=-1", "optim.lr must be > 0"),
+    ("optim.grad_accum=0", "optim.grad_accum"),
+    ("trainer.log_every=0", "trainer.log_every"),
+    ("data.batch_tokens=0", "data.batch_tokens"),
+    ("head.num_steps=0", "head.num_steps"),
+    ("target.source=bogus", "target.source='bogus'"),
+])
+def test_invalid_config_value_names_the_key(override, match):
+    with pytest.raises(ValueError, match=match):
+        compose("train", TrainConfig, [override])
+
+
+def test_cli_config_error_exits_2_before_any_work(run_train, tmp_path):
+    r = run_train("trainer.strategy=bogus", f"output_dir={tmp_path / 'out'}", timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "config error: trainer.strategy='bogus'" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_data_error_fails_before_training(shards_copy, run_train, common, tmp_path):
+    (shards_copy / "shard_00000.safetensors").write_bytes(b"not a shard")
+    r = run_train(*common, f"data.shards={shards_copy}", f"output_dir={tmp_path / 'out'}",
+                  timeout=120)
+    assert r.returncode != 0
+    assert "shard_00000.safetensors is corrupt" in r.stderr
+    _assert_nothing_trained(tmp_path / "out")
