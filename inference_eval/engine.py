@@ -121,6 +121,8 @@ class LLMEngine:
         for req, q, tok in zip(batch.requests, batch.q_lens, tokens):
             req.num_cached += q
             req.output_ids.append(tok)
+            req.proposed.append(0)
+            req.accepted.append(0)
             if req.check_stop(self.eos_ids):
                 self.scheduler.free(req)
                 done.append(req)
@@ -163,4 +165,6 @@ class LLMEngine:
         if self.tokenizer is not None and req.output_ids:
             text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
         return GenerationResult(i, req.prompt_ids, list(req.output_ids), text, req.finish_reason,
-                                req.error, req.num_preemptions)
+                                req.error, req.num_preemptions,
+                                meta={"target_steps": len(req.accepted), "proposed": list(req.proposed),
+                                      "accepted": list(req.accepted)})

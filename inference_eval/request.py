@@ -28,6 +28,10 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    # Per target forward that produced tokens for this request: drafts proposed / accepted
+    # (autoregressive steps propose 0). len(...) = target steps; see spec/metrics.py.
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:

@@ -12,7 +12,8 @@ HIDDEN_DTYPES = ("bfloat16", "float16", "float32", "fp8")
 
 @dataclass
 class PrecomputeConfig:
-    """aux: "none", "eagle3" (outputs of layers 1, L/2-1, L-4) or comma-separated layer ids.
+    """aux: "none", "eagle3" (outputs of layers 1, L/2-1, L-4, i.e. HF hidden_states[i+1]; the
+    inputs of layers 2, L/2, L-3 that vLLM and SpecForge capture) or comma-separated layer ids.
     shard_tokens: tokens per shard file (a shard ends at a sequence boundary).
     batch_tokens: padded tokens per forward pass (sequences are sorted by length first).
     """
@@ -42,7 +43,9 @@ class PrecomputeConfig:
         if spec in ("none", ""):
             return []
         if spec == "eagle3":
-            return sorted({1, num_layers // 2 - 1, num_layers - 4})
+            # Clamped into range so tiny test models (L < 8) still get valid, distinct ids.
+            return sorted({min(max(i, 0), num_layers - 1)
+                           for i in (1, num_layers // 2 - 1, num_layers - 4)})
         try:
             ids = [int(x) for x in spec.split(",")]
         except ValueError:

@@ -6,6 +6,7 @@ computes at serving time.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable, Sequence
 
 import torch
@@ -17,6 +18,17 @@ from precompute.plan import plan_batches
 from precompute.shard_io import Shard, quantize_fp8
 
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@contextmanager
+def _torch_threads(n: int | None):
+    prev = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 @torch.inference_mode()
@@ -36,20 +48,24 @@ def build_shard(model: TransformerLM, backend: AttentionBackend, records: Sequen
     hidden = torch.empty(total, h, dtype=store)
     aux = torch.empty(total, len(aux_layers), h, dtype=store) if aux_layers else None
     device = next(model.parameters()).device
-    for batch in plan_batches(range(len(records)), lengths, batch_tokens):
-        ids = torch.tensor([t for i in batch for t in records[i].input_ids], dtype=torch.long,
-                           device=device)
-        plan = backend.plan(BatchLayout.packed([lengths[i] for i in batch]))
-        out = model(ids, plan, None, compute_logits=False, aux_layers=aux_layers)
-        start = 0
-        for i in batch:
-            n = lengths[i]
-            hidden[offsets[i]:offsets[i] + n] = out.hidden[start:start + n].to("cpu", store)
-            if aux is not None:
-                aux[offsets[i]:offsets[i] + n] = out.aux[start:start + n].to("cpu", store)
-            start += n
-        if on_batch is not None:
-            on_batch(len(ids))
+    # With the OpenBLAS path (CPU fp32) torch's OpenMP pool spins beside OpenBLAS's threads and
+    # both slow down: SmolLM2 on 2 cores dumps THREADS_MEASUREMENT. So torch gets one thread
+    # here, as in LLMEngine.step; the GEMMs, most of the work, still use every core.
+    with _torch_threads(1 if model.cpu_blas and device.type == "cpu" else None):
+        for batch in plan_batches(range(len(records)), lengths, batch_tokens):
+            ids = torch.tensor([t for i in batch for t in records[i].input_ids],
+                               dtype=torch.long, device=device)
+            plan = backend.plan(BatchLayout.packed([lengths[i] for i in batch]))
+            out = model(ids, plan, None, compute_logits=False, aux_layers=aux_layers)
+            start = 0
+            for i in batch:
+                n = lengths[i]
+                hidden[offsets[i]:offsets[i] + n] = out.hidden[start:start + n].to("cpu", store)
+                if aux is not None:
+                    aux[offsets[i]:offsets[i] + n] = out.aux[start:start + n].to("cpu", store)
+                start += n
+            if on_batch is not None:
+                on_batch(len(ids))
     scale = None
     if hidden_dtype == "fp8":
         hidden, scale = quantize_fp8(hidden)
@@ -60,3 +76,4 @@ def build_shard(model: TransformerLM, backend: AttentionBackend, records: Sequen
         loss_mask=torch.tensor([m for r in records for m in r.loss_mask], dtype=torch.uint8),
         hidden=hidden, cu_seqlens=torch.tensor(offsets, dtype=torch.int64), aux_hidden=aux,
         hidden_scale=scale, record_ids=[r.id for r in records])
+

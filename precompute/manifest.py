@@ -1,7 +1,8 @@
 """`manifest.json`: what a shard directory holds and how it was made (ARCHITECTURE: Shards).
 
-Written atomically after every finished shard, so a kill leaves a manifest that lists
-exactly the shards that are complete on disk; a rerun resumes from it.
+Written once, atomically, when every planned shard is on disk (`complete` true). While a run
+is in flight each rank records its finished shards in `.progress.rank<r>.json` (same
+`ShardEntry` rows), so a kill loses at most the shard in flight and a rerun resumes.
 """
 from __future__ import annotations
 

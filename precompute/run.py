@@ -11,7 +11,9 @@ import hashlib
 import json
 import os
 import time
+from array import array
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -25,9 +27,13 @@ from precompute.config import PrecomputeConfig
 from precompute.data import load_conversations, tokenize_conversations, write_rejects
 from precompute.dump import build_shard
 from precompute.manifest import Manifest, ShardEntry, write_json_atomic
-from precompute.plan import plan_batches, plan_hash, plan_shards
+from precompute.plan import plan_hash, plan_shards
 from precompute.regenerate import regenerate
-from precompute.shard_io import file_sha256, write_shard
+from precompute.shard_io import bytes_per_token, write_shard
+
+# A barrier waits for the slowest rank to finish its last shard; gloo's default 30 minutes
+# is shorter than one large shard of a big target on a slow device.
+BARRIER_TIMEOUT = timedelta(hours=12)
 
 
 def dist_info() -> tuple[int, int]:
@@ -46,30 +52,39 @@ def shard_name(index: int) -> str:
     return f"shard_{index:05d}.safetensors"
 
 
-def _done_entries(out: Path, expected_hash: str) -> dict[int, ShardEntry]:
-    """Shards already complete on disk for this plan (from manifest and progress files)."""
-    entries: dict[int, ShardEntry] = {}
-    sources = [out / "manifest.json"] + sorted(out.glob(".progress.rank*.json"))
-    for p in sources:
-        if not p.is_file():
-            continue
-        d = json.loads(p.read_text())
-        if d.get("plan_hash") != expected_hash:
-            raise ValueError(
-                f"{p} was written for a different plan (other data, target or settings); use a "
-                f"new output_dir or overwrite=true")
-        for s in d["shards"]:
-            e = ShardEntry(**s)
-            f = out / e.file
-            if f.is_file() and f.stat().st_size > 0:
-                entries[e.index] = e
-    return entries
+def records_sha256(records) -> str:
+    """Digest of every record's ids, tokens and loss mask: same lengths but other text is
+    another plan, so a resume never mixes shards of two datasets."""
+    h = hashlib.sha256()
+    for r in records:
+        h.update(r.id.encode() + b"\0")
+        h.update(array("q", r.input_ids).tobytes())
+        h.update(bytes(r.loss_mask))
+    return h.hexdigest()
 
 
 def main(cfg: PrecomputeConfig) -> Manifest | None:
     rank, world = dist_info()
+    if world > 1:
+        _init_process_group()
+    try:
+        return _run(cfg, rank, world)
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _run(cfg: PrecomputeConfig, rank: int, world: int) -> Manifest | None:
     t_start = time.perf_counter()
     out = Path(cfg.output_dir)
+    if cfg.engine.threads:
+        torch.set_num_threads(cfg.engine.threads)
+    # Data first: a missing or unreadable input fails in seconds, not after loading a 70B model.
+    result = load_conversations(cfg.data)
+    if cfg.dry_run:
+        return _dry_run(cfg, result, rank)
     device = cfg.engine.resolve_device()
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -78,8 +93,6 @@ def main(cfg: PrecomputeConfig) -> Manifest | None:
     if tok is None:
         raise ValueError(f"target {cfg.target.name!r} has no tokenizer; precompute needs one")
     aux_layers = cfg.aux_layer_ids(model.arch.num_layers)
-
-    result = load_conversations(cfg.data)
     convs, report = result.conversations, result.report
     regen_counts = {}
     if cfg.data.regenerate:
@@ -91,33 +104,28 @@ def main(cfg: PrecomputeConfig) -> Manifest | None:
         raise ValueError(f"no usable conversations in {report.source} (rejected: {report.rejected})")
     lengths = [len(r.input_ids) for r in records]
     shards = plan_shards(lengths, cfg.shard_tokens)
-    phash = plan_hash({"target": loaded.identity["weights_sha256"], "tok": tokenizer_identity(tok),
-                       "records": [(r.id, len(r.input_ids), sum(r.loss_mask)) for r in records],
-                       "shard_tokens": cfg.shard_tokens, "batch_tokens": cfg.batch_tokens,
-                       "hidden_dtype": cfg.hidden_dtype, "aux": aux_layers,
-                       "dtype": cfg.target.dtype})
+    tok_id = tokenizer_identity(tok)
+    phash = plan_hash({"target": loaded.identity["weights_sha256"], "tok": tok_id,
+                       "records": records_sha256(records), "shard_tokens": cfg.shard_tokens,
+                       "batch_tokens": cfg.batch_tokens, "hidden_dtype": cfg.hidden_dtype,
+                       "aux": aux_layers, "dtype": cfg.target.dtype})
     h = model.arch.hidden_size
-    elt = 1 if cfg.hidden_dtype == "fp8" else torch.empty((), dtype=getattr(torch, cfg.hidden_dtype)).element_size()
-    per_token = h * elt + 4 + 1 + (4 if cfg.hidden_dtype == "fp8" else 0) + len(aux_layers) * h * min(elt * 2, 2 if cfg.hidden_dtype == "fp8" else elt)
-    total_tokens = sum(lengths)
-    summary = {"records": len(records), "tokens": total_tokens,
-               "loss_tokens": sum(sum(r.loss_mask) for r in records), "shards": len(shards),
-               "bytes_estimate": total_tokens * per_token, "bytes_per_token": per_token}
-    if cfg.dry_run:
-        if rank == 0:
-            print("dry run, nothing written:", json.dumps(summary))
-        return None
 
     out.mkdir(parents=True, exist_ok=True)
     if cfg.overwrite and rank == 0:
-        for p in list(out.glob("shard_*.safetensors")) + list(out.glob(".progress.rank*.json")) + [out / "manifest.json"]:
-            p.unlink(missing_ok=True)
+        _clear(out, with_results=True)
     if cfg.overwrite and world > 1:
         _barrier()
+    finished = _finished_manifest(out, phash, len(shards))
+    if finished is not None:  # resume after completion: nothing to do, files kept as they are
+        if rank == 0:
+            print(f"precompute: {out} already holds all {len(shards)} shards of this plan; "
+                  "nothing to do (overwrite=true recomputes)")
+        return finished
     done = _done_entries(out, phash)
     manifest = Manifest(
         target={k: loaded.identity[k] for k in ("name", "source", "path", "arch", "weights_sha256")},
-        tokenizer=tokenizer_identity(tok), hidden_dtype=cfg.hidden_dtype, hidden_size=h,
+        tokenizer=tok_id, hidden_dtype=cfg.hidden_dtype, hidden_size=h,
         aux_layers=aux_layers, plan_hash=phash, num_planned_shards=len(shards),
         data={"config": asdict(cfg.data), "load_report": report.to_dict(),
               "regeneration": regen_counts, "max_length": cfg.data.max_length})
@@ -157,8 +165,7 @@ def main(cfg: PrecomputeConfig) -> Manifest | None:
     manifest.complete = True
     manifest.save(out / "manifest.json")
     n_rej = write_rejects(out / "rejects.jsonl", result.rejected)
-    for p in out.glob(".progress.rank*.json"):
-        p.unlink()
+    _clear(out, with_results=False)
     secs = time.perf_counter() - t_start
     nbytes = sum((out / e.file).stat().st_size for e in manifest.shards)
     print(f"precompute done: kept {len(records)} records, rejected {n_rej} "
@@ -171,9 +178,103 @@ def main(cfg: PrecomputeConfig) -> Manifest | None:
     return manifest
 
 
-def _barrier() -> None:
+def _dry_run(cfg: PrecomputeConfig, result, rank: int) -> None:
+    """Token and byte counts from the tokenizer and the architecture alone (no weights)."""
+    from inference_eval.target import load_tokenizer
+
+    tok = load_tokenizer(cfg.target)
+    if tok is None:
+        raise ValueError(f"target {cfg.target.name!r} has no tokenizer; precompute needs one")
+    arch = _target_arch(cfg)
+    aux = cfg.aux_layer_ids(arch.num_layers)
+    records = list(tokenize_conversations(tok, result.conversations, cfg.data.max_length,
+                                          cfg.data.system_prompt, report=result.report,
+                                          rejected=result.rejected))
+    lengths = [len(r.input_ids) for r in records]
+    per_token = bytes_per_token(arch.hidden_size, len(aux), cfg.hidden_dtype)
+    shards = plan_shards(lengths, cfg.shard_tokens) if records else []
+    tokens = sum(lengths)
+    summary = {"records": len(records), "rejected": dict(sorted(result.report.rejected.items())),
+               "tokens": tokens, "loss_tokens": sum(r.num_loss_tokens for r in records),
+               "shards": len(shards), "bytes_per_token": per_token,
+               "bytes_estimate": tokens * per_token + 8 * (len(records) + len(shards)),
+               "hidden_dtype": cfg.hidden_dtype, "aux_layers": aux}
+    if rank == 0:
+        note = " (counts are for the original turns: data.regenerate is skipped)" \
+            if cfg.data.regenerate else ""
+        print(f"dry run, nothing written{note}: {tokens} tokens in {len(records)} records, "
+              f"{len(shards)} shards, about {summary['bytes_estimate'] / 1e6:.1f} MB "
+              f"({per_token} B/token)")
+        print(json.dumps(summary))
+
+
+def _target_arch(cfg: PrecomputeConfig):
+    from inference_eval.model.arch import ModelArch
+
+    if cfg.target.source == "random":
+        return ModelArch(**cfg.target.arch)
+    from transformers import AutoConfig
+
+    from inference_eval.target import target_hf_dir
+
+    return ModelArch.from_hf_config(AutoConfig.from_pretrained(target_hf_dir(cfg.target)))
+
+
+def _read_plan_file(p: Path, expected_hash: str) -> dict | None:
+    if not p.is_file():
+        return None
+    d = json.loads(p.read_text())
+    if d.get("plan_hash") != expected_hash:
+        raise ValueError(
+            f"{p} was written for a different plan (other data, target or settings); use a "
+            f"new output_dir or overwrite=true")
+    return d
+
+
+def _finished_manifest(out: Path, expected_hash: str, num_shards: int) -> Manifest | None:
+    """The manifest of a completed run of this plan whose shard files are all present."""
+    d = _read_plan_file(out / "manifest.json", expected_hash)
+    if d is None or not d.get("complete"):
+        return None
+    m = Manifest.load(out / "manifest.json")
+    if len(m.shards) != num_shards or not all((out / e.file).is_file() for e in m.shards):
+        return None
+    return m
+
+
+def _done_entries(out: Path, expected_hash: str) -> dict[int, ShardEntry]:
+    """Shards already complete on disk for this plan (from manifest and progress files)."""
+    entries: dict[int, ShardEntry] = {}
+    for p in [out / "manifest.json"] + sorted(out.glob(".progress.rank*.json")):
+        d = _read_plan_file(p, expected_hash)
+        for s in (d or {}).get("shards", []):
+            e = ShardEntry(**s)
+            f = out / e.file
+            if f.is_file() and f.stat().st_size > 0:
+                entries[e.index] = e
+    return entries
+
+
+def _clear(out: Path, with_results: bool) -> None:
+    """Remove progress files and temp files a kill left behind; with_results also the shards,
+    the manifest and rejects.jsonl (overwrite=true)."""
+    doomed = list(out.glob(".progress.rank*.json")) + list(out.glob(".*.tmp"))
+    if with_results:
+        doomed += list(out.glob("shard_*.safetensors")) + [out / "manifest.json",
+                                                          out / "rejects.jsonl"]
+    for p in doomed:
+        p.unlink(missing_ok=True)
+
+
+def _init_process_group() -> None:
+    """gloo on every device: the job only needs barriers, and gloo works without GPUs."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
     dist.barrier()

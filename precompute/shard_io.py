@@ -41,6 +41,15 @@ class Shard:
         return h if self.hidden_scale is None else h * self.hidden_scale.to(dtype).unsqueeze(-1)
 
 
+def bytes_per_token(hidden_size: int, num_aux: int, hidden_dtype: str) -> int:
+    """Stored bytes per token: input_ids 4 + loss_mask 1 + hidden (+ fp8 scale 4) + aux.
+
+    Excludes cu_seqlens (8 per sequence) and the safetensors header (a few hundred bytes)."""
+    elt = 1 if hidden_dtype == "fp8" else torch.empty((), dtype=getattr(torch, hidden_dtype)).element_size()
+    aux_elt = 2 if hidden_dtype == "fp8" else elt  # fp8 runs keep aux in bf16 (see dump.py)
+    return 4 + 1 + hidden_size * elt + (4 if hidden_dtype == "fp8" else 0) + num_aux * hidden_size * aux_elt
+
+
 def quantize_fp8(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token scaled fp8: h [N, H] -> (fp8 [N, H], scale fp32 [N])."""
     scale = (h.float().abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
@@ -70,6 +79,9 @@ def write_shard(path: Path, shard: Shard) -> str:
     meta = {"record_ids": json.dumps(shard.record_ids or [])}
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, str(tmp), metadata=meta)
+    # safetensors creates files 0600; shards are usually read by other users and containers
+    # (training jobs), so give them the permissions the umask allows, like any other file.
+    os.chmod(tmp, 0o666 & ~_umask())
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     digest = file_sha256(tmp)
@@ -90,12 +102,41 @@ def read_shard(path: Path, sha256: str | None = None) -> Shard:
             raise ShardIntegrityError(
                 f"shard {path} is corrupt: sha256 {got[:16]}... does not match the manifest's "
                 f"{sha256[:16]}...; delete it and rerun precompute to rewrite it")
-    with safe_open(str(path), framework="pt") as f:
-        keys = set(f.keys())
-        meta = f.metadata() or {}
-        get = f.get_tensor
-        return Shard(input_ids=get("input_ids"), loss_mask=get("loss_mask"), hidden=get("hidden"),
-                     cu_seqlens=get("cu_seqlens"),
-                     aux_hidden=get("aux_hidden") if "aux_hidden" in keys else None,
-                     hidden_scale=get("hidden_scale") if "hidden_scale" in keys else None,
-                     record_ids=json.loads(meta.get("record_ids", "[]")))
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            meta = f.metadata() or {}
+            get = f.get_tensor
+            shard = Shard(input_ids=get("input_ids"), loss_mask=get("loss_mask"),
+                          hidden=get("hidden"), cu_seqlens=get("cu_seqlens"),
+                          aux_hidden=get("aux_hidden") if "aux_hidden" in keys else None,
+                          hidden_scale=get("hidden_scale") if "hidden_scale" in keys else None,
+                          record_ids=json.loads(meta.get("record_ids", "[]")))
+    except Exception as exc:  # safetensors' own errors do not say which file
+        raise ShardIntegrityError(f"shard {path} cannot be read ({exc}); delete it and rerun "
+                                  "precompute to rewrite it") from exc
+    problem = _check_shapes(shard)
+    if problem:
+        raise ShardIntegrityError(f"shard {path} is inconsistent: {problem}")
+    return shard
+
+
+def _check_shapes(s: Shard) -> str | None:
+    n = s.input_ids.shape[0]
+    if s.loss_mask.shape != (n,) or s.hidden.dim() != 2 or s.hidden.shape[0] != n:
+        return (f"input_ids {tuple(s.input_ids.shape)}, loss_mask {tuple(s.loss_mask.shape)} "
+                f"and hidden {tuple(s.hidden.shape)} disagree on N")
+    cu = s.cu_seqlens
+    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] <= cu[:-1]).any()):
+        return f"cu_seqlens must rise strictly from 0 to N={n}"
+    if s.aux_hidden is not None and (s.aux_hidden.shape[0] != n or s.aux_hidden.dim() != 3):
+        return f"aux_hidden {tuple(s.aux_hidden.shape)} is not [N={n}, A, H]"
+    if s.hidden_scale is not None and s.hidden_scale.shape != (n,):
+        return f"hidden_scale {tuple(s.hidden_scale.shape)} is not [N={n}]"
+    return None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

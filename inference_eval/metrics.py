@@ -1,0 +1,184 @@
+"""Acceptance metrics from generation outputs (pure functions, no I/O).
+
+Inputs are `TurnOutput`s: one per (prompt, turn), carrying the engine's per-step meta
+(`proposed[s]`, `accepted[s]` for every target step s). Names follow ARCHITECTURE.md:
+
+- mean_accept_len τ = generated tokens / target steps, bonus token included (AR: exactly 1).
+- accept_len_hist[a] = number of target steps that accepted exactly a drafts, a = 0..K.
+- per_position_accept_rate α_k = P(draft k accepted | drafts 1..k-1 accepted), k = 1..K.
+  Position k is *attempted* in a step when proposed >= k and accepted >= k-1, and
+  *accepted* when accepted >= k (acceptance is a prefix, so accepted >= k implies the rest).
+
+Worked example, one request, K = 3, three steps with (proposed, accepted) = (3,2), (3,0), (3,3):
+    tokens = 3 + 1 + 4 = 8, steps = 3, τ = 8/3; hist = [1, 0, 1, 1]
+    α_1 = 2/3 (steps 1,3 of 3), α_2 = 2/2, α_3 = 1/2
+Outputs with an `error` are left out of every number (they are listed in the report instead).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+
+@dataclass
+class TurnOutput:
+    """One generation: turn `turn` (0-based) of prompt `prompt_id`.
+
+    token_ids: generated ids (prompt excluded). proposed/accepted: [target_steps] ints.
+    wall_s is not per output (requests run batched); timing lives on the run."""
+
+    prompt_id: str
+    category: str
+    turn: int
+    token_ids: list[int] = field(default_factory=list)
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    text: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def target_steps(self) -> int:
+        return len(self.accepted)
+
+    @classmethod
+    def from_result(cls, prompt_id: str, category: str, turn: int, result: Any) -> "TurnOutput":
+        """From an engine GenerationResult. A meta that breaks the engine contract (lengths
+        disagree, accepted > proposed) becomes this output's error, not a crash: one bad
+        request must not cost a long run's other results."""
+        meta = result.meta or {}
+        proposed = [int(x) for x in meta.get("proposed", [])]
+        accepted = [int(x) for x in meta.get("accepted", [])]
+        error = result.error
+        if error is None:
+            steps = int(meta.get("target_steps", -1))
+            if not (steps == len(proposed) == len(accepted)):
+                error = (f"engine meta inconsistent: target_steps={steps}, "
+                         f"len(proposed)={len(proposed)}, len(accepted)={len(accepted)}")
+            elif any(a > p or a < 0 for p, a in zip(proposed, accepted)):
+                error = "engine meta inconsistent: a step accepted more drafts than it proposed"
+            elif len(result.token_ids) > steps + sum(accepted):
+                error = (f"engine meta inconsistent: {len(result.token_ids)} tokens from "
+                         f"{steps} steps accepting {sum(accepted)} drafts")
+        return cls(prompt_id, category, turn, list(result.token_ids), proposed, accepted,
+                   result.finish_reason, error, result.text)
+
+
+def _ok(outputs: Sequence[TurnOutput]) -> list[TurnOutput]:
+    return [o for o in outputs if o.ok]
+
+
+def _steps(outputs: Sequence[TurnOutput]) -> tuple[np.ndarray, np.ndarray]:
+    """All steps of all ok outputs: proposed [S] int64, accepted [S] int64."""
+    ok = _ok(outputs)
+    p = np.fromiter((x for o in ok for x in o.proposed), dtype=np.int64)
+    a = np.fromiter((x for o in ok for x in o.accepted), dtype=np.int64)
+    return p, a
+
+
+def generated_tokens(outputs: Sequence[TurnOutput]) -> int:
+    return sum(len(o.token_ids) for o in _ok(outputs))
+
+
+def target_steps(outputs: Sequence[TurnOutput]) -> int:
+    return sum(o.target_steps for o in _ok(outputs))
+
+
+def mean_accept_len(outputs: Sequence[TurnOutput]) -> float | None:
+    """τ = generated tokens / target steps (None when no step ran)."""
+    steps = target_steps(outputs)
+    return generated_tokens(outputs) / steps if steps else None
+
+
+def max_draft_len(outputs: Sequence[TurnOutput]) -> int:
+    """K: the most drafts any step proposed (0 for AR)."""
+    p, a = _steps(outputs)
+    return int(max(p.max(initial=0), a.max(initial=0)))
+
+
+def accept_len_hist(outputs: Sequence[TurnOutput], k: int | None = None) -> list[int]:
+    """[K+1] counts of steps that accepted 0..K drafts; sums to target_steps(outputs)."""
+    _, a = _steps(outputs)
+    k = max_draft_len(outputs) if k is None else k
+    return np.bincount(a, minlength=k + 1).tolist()
+
+
+def per_position_accept_rate(outputs: Sequence[TurnOutput],
+                             k: int | None = None) -> list[float | None]:
+    """[K] α_k for k = 1..K; None where position k was never attempted."""
+    p, a = _steps(outputs)
+    k = max_draft_len(outputs) if k is None else k
+    pos = np.arange(1, k + 1)[:, None]                        # [K, 1]
+    attempted = ((p[None] >= pos) & (a[None] >= pos - 1)).sum(1)  # [K]
+    took = (a[None] >= pos).sum(1)                              # [K]
+    return [float(t / n) if n else None for t, n in zip(took.tolist(), attempted.tolist())]
+
+
+def position_counts(outputs: Sequence[TurnOutput], k: int | None = None) -> dict[str, list[int]]:
+    """{"attempted": [K], "accepted": [K]}: the counts behind α, so runs can be pooled."""
+    p, a = _steps(outputs)
+    k = max_draft_len(outputs) if k is None else k
+    pos = np.arange(1, k + 1)[:, None]
+    return {"attempted": ((p[None] >= pos) & (a[None] >= pos - 1)).sum(1).tolist(),
+            "accepted": (a[None] >= pos).sum(1).tolist()}
+
+
+def summarize(outputs: Sequence[TurnOutput], k: int | None = None) -> dict[str, Any]:
+    """The acceptance numbers of a set of outputs (one run, or one category of a run)."""
+    k = max_draft_len(outputs) if k is None else k
+    return {
+        "num_prompts": len({o.prompt_id for o in outputs}),
+        "num_outputs": len(outputs),
+        "num_errors": sum(not o.ok for o in outputs),
+        "generated_tokens": generated_tokens(outputs),
+        "target_steps": target_steps(outputs),
+        "mean_accept_len": mean_accept_len(outputs),
+        "accept_len_hist": accept_len_hist(outputs, k),
+        "per_position_accept_rate": per_position_accept_rate(outputs, k),
+    }
+
+
+def by_category(outputs: Sequence[TurnOutput], k: int | None = None) -> dict[str, dict[str, Any]]:
+    """category -> summarize(outputs of that category), categories sorted. The same K for
+    every category, so their histograms line up."""
+    k = max_draft_len(outputs) if k is None else k
+    groups: dict[str, list[TurnOutput]] = defaultdict(list)
+    for o in outputs:
+        groups[o.category].append(o)
+    return {c: summarize(groups[c], k) for c in sorted(groups)}
+
+
+def lossless_check(spec: Sequence[TurnOutput], ar: Sequence[TurnOutput],
+                   max_listed: int = 20) -> dict[str, Any]:
+    """Greedy speculative output must equal greedy AR output token for token.
+
+    Pairs outputs by (prompt_id, turn); pairs where either side errored are not compared.
+    Returns {"compared", "mismatched", "mismatches": [{"id", "turn", "at"}] (the first
+    max_listed; "at" = index of the first differing token)}.
+    Turn t > 0 is only comparable while turn t-1 matched (its context holds the answer)."""
+    ar_by_key = {(o.prompt_id, o.turn): o for o in ar if o.ok}
+    compared, bad = 0, []
+    for o in spec:
+        ref = ar_by_key.get((o.prompt_id, o.turn))
+        if ref is None or not o.ok:
+            continue
+        compared += 1
+        if list(o.token_ids) != list(ref.token_ids):
+            bad.append({"id": o.prompt_id, "turn": o.turn,
+                        "at": first_mismatch(o.token_ids, ref.token_ids)})
+    return {"compared": compared, "mismatched": len(bad), "mismatches": bad[:max_listed]}
+
+
+def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (or of the shorter end); None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

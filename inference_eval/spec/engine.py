@@ -1,0 +1,271 @@
+"""The speculative engine: chain drafting with an MTP/EAGLE head or a small LLM.
+
+Shares everything with the autoregressive engine (scheduler, page allocator, block tables,
+attention backend, sampling, generate API); only the step differs:
+
+  prefill  (new or recomputed requests): target forward, sample x_n, then the drafter fills
+           its cache for the prompt (a head from the target's hidden states).
+  decode   (one round): draft K tokens -> the target verifies [x_n, d_1..d_K] in one pass ->
+           accept a (lossless: verify_greedy / verify_sampled) -> emit d_1..d_a + 1 target
+           token -> the drafter catches up (a head is refilled at positions n..n+a from the
+           target's hidden states; an LLM draft runs the tokens it has not seen next round).
+
+Per-request K shrinks near max_new_tokens and the context end, so a batch mixes draft lengths.
+Target KV written past the accepted length is simply overwritten later (num_cached moves back).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from inference_eval.attention import BatchLayout
+from inference_eval.config import EngineConfig
+from inference_eval.engine import LLMEngine
+from inference_eval.request import Request
+from inference_eval.sampling import SamplingTensors, processed_probs, sample, sample_from_probs
+from inference_eval.spec.chain import verify_greedy, verify_sampled
+from inference_eval.spec.drafters import HeadDrafter, LLMDrafter
+
+
+class SpecEngine(LLMEngine):
+    def __init__(self, model, tokenizer, cfg: EngineConfig | None, make_drafter, num_draft: int) -> None:
+        if num_draft < 1:
+            raise ValueError(f"draft.num_draft must be >= 1, got {num_draft}")
+        super().__init__(model, tokenizer, cfg, lookahead=num_draft + 1)
+        if num_draft + 2 >= self.max_context:
+            raise ValueError(f"draft.num_draft={num_draft} does not fit the context "
+                             f"({self.max_context} tokens)")
+        self.k = num_draft
+        self.drafter = make_drafter(self.allocator.num_pages, self.cfg.page_size, self.device, self.dtype)
+        self.timing = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "catch_up": 0.0}
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _tick(self, key: str, t0: float) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.timing[key] += now - t0
+        return now
+
+    def _sub_layout(self, reqs: list[Request], q_lens: list[int], kv_lens: list[int]) -> BatchLayout:
+        return BatchLayout(q_lens=q_lens, kv_lens=kv_lens, block_tables=[r.pages for r in reqs],
+                           page_size=self.cfg.page_size)
+
+    def _finish_or_keep(self, req: Request, done: list[Request]) -> bool:
+        if req.check_stop(self.eos_ids):
+            self.scheduler.free(req)
+            self.drafter.drop(req.id)
+            done.append(req)
+            return True
+        return False
+
+    # ---- the step -------------------------------------------------------------------------
+    def _step(self) -> list[Request]:
+        batch = self.scheduler.schedule()
+        done = list(batch.failed)
+        pre = [(r, q) for r, q in zip(batch.requests, batch.q_lens) if r.num_cached == 0 or q > 1]
+        dec = [r for r, q in zip(batch.requests, batch.q_lens) if not (r.num_cached == 0 or q > 1)]
+        if pre:
+            self._prefill([r for r, _ in pre], [q for _, q in pre], done)
+        if dec:
+            self._decode(dec, done)
+        if batch.requests:
+            self.num_steps += 1
+        return done
+
+    def _prefill(self, reqs: list[Request], q_lens: list[int], done: list[Request]) -> None:
+        t0 = time.perf_counter()
+        layout = self._sub_layout(reqs, q_lens, [r.num_cached + q for r, q in zip(reqs, q_lens)])
+        pending = [r.pending_ids for r in reqs]
+        ids = torch.tensor([t for p in pending for t in p], dtype=torch.long, device=self.device)
+        plan = self.backend.plan(layout)
+        last = [c - 1 for c in layout.cu_q()[1:]]
+        out = self.model(ids, plan, self.cache, logits_indices=torch.tensor(last, device=self.device),
+                         aux_layers=self.drafter.aux_layers)
+        st = SamplingTensors.from_params([r.params for r in reqs], self.device)
+        sampled = sample(out.logits, st, self.generator).tolist()
+        if isinstance(self.drafter, HeadDrafter):
+            shifted = [t for p, s in zip(pending, sampled) for t in p[1:] + [s]]
+            self.drafter.refill([r.id for r in reqs], torch.tensor(shifted, device=self.device),
+                                out.hidden, out.aux, plan, last)
+        else:
+            self.drafter.forward(ids, self.backend.plan(layout), torch.tensor(last, device=self.device))
+        for r, q, tok in zip(reqs, q_lens, sampled):
+            r.num_cached += q
+            if isinstance(self.drafter, LLMDrafter):
+                self.drafter.cached[r.id] = r.num_cached
+            r.output_ids.append(tok)
+            r.proposed.append(0)
+            r.accepted.append(0)
+            self._finish_or_keep(r, done)
+        self._tick("prefill", t0)
+
+    def _draft_len(self, r: Request) -> int:
+        left = r.params.max_new_tokens - len(r.output_ids) - 1
+        room = self.max_context - r.num_cached - 2
+        return max(0, min(self.k, left, room))
+
+    def _decode(self, reqs: list[Request], done: list[Request]) -> None:
+        t0 = time.perf_counter()
+        st = SamplingTensors.from_params([r.params for r in reqs], self.device)
+        greedy = st.all_greedy
+        ks = [self._draft_len(r) for r in reqs]
+        n = [r.num_cached for r in reqs]
+        drafts, qs = self._propose(reqs, ks, n, st, greedy)
+        t0 = self._tick("draft", t0)
+        # Verify [x_n, d_1..d_k] of every request in one target pass.
+        layout = self._sub_layout(reqs, [k + 1 for k in ks], [m + k + 1 for m, k in zip(n, ks)])
+        ids = [r.token_ids[-1:] + d for r, d in zip(reqs, drafts)]
+        plan = self.backend.plan(layout)
+        out = self.model(torch.tensor([t for x in ids for t in x], device=self.device), plan,
+                         self.cache, aux_layers=self.drafter.aux_layers)
+        b, kmax, v = len(reqs), max(max(ks), 1), out.logits.shape[-1]
+        cu = layout.cu_q()
+        tgt = out.logits.new_zeros(b, kmax + 1, v)
+        dtok = torch.zeros(b, kmax, dtype=torch.long, device=self.device)
+        for i, (k, d) in enumerate(zip(ks, drafts)):
+            tgt[i, :k + 1] = out.logits[cu[i]:cu[i + 1]]
+            if k:
+                dtok[i, :k] = torch.tensor(d, device=self.device)
+        num = torch.tensor(ks, device=self.device)
+        if greedy:
+            acc, emit = verify_greedy(dtok, tgt, num)
+        else:
+            p = processed_probs(tgt.view(-1, v), st.repeat_interleave(
+                torch.full((b,), kmax + 1, device=self.device))).view(b, kmax + 1, v)
+            q = torch.zeros(b, kmax, v, device=self.device)
+            for i, rows in enumerate(qs):
+                if rows:
+                    q[i, :len(rows)] = torch.stack(rows)
+            acc, emit = verify_sampled(dtok, q, p, num, self.generator)
+        t0 = self._tick("verify", t0)
+        acc, emit = acc.tolist(), emit.tolist()
+        keep = []
+        for i, r in enumerate(reqs):
+            a = acc[i]
+            r.proposed.append(ks[i])
+            r.accepted.append(a)
+            for tok in emit[i][:a + 1]:
+                r.output_ids.append(tok)
+                if r.check_stop(self.eos_ids):
+                    break
+            r.num_cached = n[i] + a + 1
+            if not self._finish_or_keep(r, done):
+                keep.append(i)
+        self._catch_up([reqs[i] for i in keep], [acc[i] for i in keep], [emit[i] for i in keep],
+                       [n[i] for i in keep], out, [cu[i] for i in keep])
+        self._tick("catch_up", t0)
+
+    def _propose(self, reqs, ks, n, st, greedy):
+        """Draft up to K tokens per request -> (tokens per request, draft probs per request)."""
+        b = len(reqs)
+        drafts: list[list[int]] = [[] for _ in range(b)]
+        qs: list[list[torch.Tensor]] = [[] for _ in range(b)]
+        live = [i for i in range(b) if ks[i] > 0]
+        if not live:
+            return drafts, qs
+        if isinstance(self.drafter, HeadDrafter):
+            hidden = torch.stack([self.drafter.carry[reqs[i].id][0] for i in live])
+            logits = torch.stack([self.drafter.carry[reqs[i].id][1] for i in live])
+        else:
+            logits = self._llm_catch_up([reqs[i] for i in live], [n[i] for i in live])
+        for s in range(1, max(ks) + 1):
+            sub = SamplingTensors(st.temperature[live], st.top_k[live], st.top_p[live])
+            if greedy:
+                tok = logits.argmax(-1)
+            else:
+                probs = processed_probs(logits, sub)
+                tok = sample_from_probs(probs, self.generator)
+            for j, i in enumerate(live):
+                drafts[i].append(int(tok[j]))
+                if not greedy:
+                    qs[i].append(probs[j])
+            nxt = [j for j, i in enumerate(live) if ks[i] > s]
+            if not nxt:
+                break
+            live = [live[j] for j in nxt]
+            rs = [reqs[i] for i in live]
+            layout = BatchLayout([1] * len(live), [n[i] + s + (0 if isinstance(self.drafter, HeadDrafter) else 1)
+                                                   for i in live], [r.pages for r in rs], self.cfg.page_size)
+            toks = tok[nxt]
+            if isinstance(self.drafter, HeadDrafter):
+                hidden, logits = self.drafter.run(toks, hidden[nxt], self.backend.plan(layout))
+            else:
+                logits = self.drafter.forward(toks, self.backend.plan(layout),
+                                              torch.arange(len(live), device=self.device))
+                for i in live:
+                    self.drafter.cached[reqs[i].id] = n[i] + s + 1
+        return drafts, qs
+
+    def _llm_catch_up(self, reqs: list[Request], n: list[int]) -> torch.Tensor:
+        """Run the tokens an LLM draft has not seen (up to and incl. x_n); logits for d_1."""
+        seen = [self.drafter.cached[r.id] for r in reqs]
+        toks = [r.token_ids[c:m + 1] for r, c, m in zip(reqs, seen, n)]
+        layout = BatchLayout([len(t) for t in toks], [m + 1 for m in n], [r.pages for r in reqs],
+                             self.cfg.page_size)
+        last = torch.tensor([c - 1 for c in layout.cu_q()[1:]], device=self.device)
+        logits = self.drafter.forward(torch.tensor([t for x in toks for t in x], device=self.device),
+                                      self.backend.plan(layout), last)
+        for r, m in zip(reqs, n):
+            self.drafter.cached[r.id] = m + 1
+        return logits
+
+    def _catch_up(self, reqs, acc, emit, n, out, starts) -> None:
+        """After acceptance: refill a head's cache at n..n+a from the target's hidden states
+        (its own drafted entries are less accurate), or trim an LLM draft's valid prefix."""
+        if not reqs:
+            return
+        if isinstance(self.drafter, LLMDrafter):
+            for r, a, m in zip(reqs, acc, n):
+                self.drafter.cached[r.id] = min(self.drafter.cached[r.id], m + a + 1)
+            return
+        rows = torch.tensor([s + j for s, a in zip(starts, acc) for j in range(a + 1)], device=self.device)
+        toks = torch.tensor([t for e, a in zip(emit, acc) for t in e[:a + 1]], device=self.device)
+        layout = self._sub_layout(reqs, [a + 1 for a in acc], [m + a + 1 for m, a in zip(n, acc)])
+        aux = None if out.aux is None else out.aux.index_select(0, rows)
+        last = [c - 1 for c in layout.cu_q()[1:]]
+        self.drafter.refill([r.id for r in reqs], toks, out.hidden.index_select(0, rows), aux,
+                            self.backend.plan(layout), last)
+
+
+def frozen_parts_of(loaded):
+    """The target's frozen tensors for a head, taken from the already loaded engine model."""
+    from heads.frozen import FrozenParts
+
+    m = loaded.model
+    return FrozenParts(m.arch, m.embed_tokens.weight, m.norm.weight, m.lm_head_weight,
+                       loaded.identity)
+
+
+def make_engine(loaded, engine_cfg: EngineConfig, draft_cfg) -> LLMEngine:
+    """draft_cfg.kind: none -> LLMEngine; head -> a head checkpoint drafting a chain;
+    llm -> a separate small LLM (draft_cfg.llm, a TargetConfig) with the same tokenizer."""
+    kind = draft_cfg.kind
+    if kind == "none":
+        return LLMEngine(loaded.model, loaded.tokenizer, engine_cfg)
+    if getattr(draft_cfg, "scheme", "chain") != "chain":
+        raise ValueError(f"draft.scheme={draft_cfg.scheme!r} is not implemented yet; use chain")
+    if kind == "head":
+        from heads.checkpoint import load_head, read_head_config
+
+        meta = read_head_config(draft_cfg.checkpoint)
+        want, have = meta.get("target", {}).get("frozen_sha256"), loaded.identity.get("frozen_sha256")
+        if want and have and want != have:
+            raise ValueError(f"head {draft_cfg.checkpoint} was trained for target "
+                             f"{meta['target'].get('name')!r} with other embedding/lm_head weights "
+                             f"than {loaded.identity['name']!r}; train a head for this target")
+        head = load_head(draft_cfg.checkpoint, frozen_parts_of(loaded))
+        make = lambda pages, ps, dev, dt: HeadDrafter(head, pages, ps, dev, dt)  # noqa: E731
+    elif kind == "llm":
+        from inference_eval.target import load_target
+
+        draft = load_target(draft_cfg.llm, device=next(loaded.model.parameters()).device,
+                            with_tokenizer=False).model
+        if draft.arch.vocab_size != loaded.model.arch.vocab_size:
+            raise ValueError(f"draft LLM vocab {draft.arch.vocab_size} != target vocab "
+                             f"{loaded.model.arch.vocab_size}: a draft must share the tokenizer")
+        make = lambda pages, ps, dev, dt: LLMDrafter(draft, pages, ps, dev, dt)  # noqa: E731
+    else:
+        raise ValueError(f"draft.kind={kind!r}: use none, head or llm")
+    return SpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.num_draft)

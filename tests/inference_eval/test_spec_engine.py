@@ -1,0 +1,98 @@
+"""The speculative engine is lossless: greedy speculative output equals greedy autoregressive
+output token for token, for head chains and LLM drafts, batched with mixed draft lengths."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from heads.checkpoint import save_head
+from heads.config import HeadConfig
+from heads.registry import build_head
+from inference_eval.config import EngineConfig
+from inference_eval.engine import LLMEngine
+from inference_eval.sampling import SamplingParams
+from inference_eval.spec.engine import SpecEngine, frozen_parts_of, make_engine
+from inference_eval.target import TargetConfig, load_target
+
+
+def _loaded(tiny_hf, family="llama3"):
+    hf_dir, _ = tiny_hf(family)
+    return load_target(TargetConfig(name=family, source="hf", path=str(hf_dir)), with_tokenizer=False)
+
+
+def _prompts(k=6, seed=21):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 320, (int(torch.randint(3, 30, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(k)]
+
+
+def _ar(loaded, prompts, params):
+    eng = LLMEngine(loaded.model, None, EngineConfig(attention="torch", page_size=4))
+    return [r.token_ids for r in eng.generate(prompts, params, progress=False)]
+
+
+@pytest.mark.parametrize("num_draft", [1, 2, 4])
+def test_head_chain_greedy_is_lossless(tiny_hf, tmp_path, num_draft):
+    loaded = _loaded(tiny_hf)
+    head = build_head(HeadConfig(type="mtp", num_steps=1), frozen_parts_of(loaded), seed=3)
+    save_head(head, tmp_path / "h")
+    # Max lengths differ per prompt so K shrinks near the end for some requests only.
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (9, 14, 20, 5, 17, 12)]
+    prompts = _prompts()
+    eng = make_engine(loaded, EngineConfig(attention="torch", page_size=4),
+                      SimpleNamespace(kind="head", checkpoint=str(tmp_path / "h"), num_draft=num_draft,
+                                      scheme="chain"))
+    out = eng.generate(prompts, params, progress=False)
+    assert [r.token_ids for r in out] == _ar(loaded, prompts, params)
+    for r in out:  # metrics contract: one entry per target step, tokens = steps + accepted
+        assert len(r.token_ids) <= sum(r.meta["accepted"]) + r.meta["target_steps"]
+        assert max(r.meta["proposed"]) <= num_draft
+
+
+def test_llm_draft_equal_to_target_accepts_everything(tiny_hf):
+    loaded = _loaded(tiny_hf)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    prompts = _prompts(3)
+    eng = SpecEngine(loaded.model, None, EngineConfig(attention="torch", page_size=4),
+                     lambda p, ps, d, dt: __import__("inference_eval.spec.drafters", fromlist=["x"])
+                     .LLMDrafter(loaded.model, p, ps, d, dt), num_draft=3)
+    out = eng.generate(prompts, params, progress=False)
+    assert [r.token_ids for r in out] == _ar(loaded, prompts, params)
+    for r in out:
+        assert r.meta["accepted"][1:] == r.meta["proposed"][1:]  # identical draft: all accepted
+        assert r.meta["target_steps"] < 16
+
+
+def test_llm_draft_other_model_is_lossless(tiny_hf):
+    loaded = _loaded(tiny_hf, "llama3")
+    hf_dir, _ = tiny_hf("smollm2")  # another random model, same vocab size
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompts = _prompts(4, seed=5)
+    eng = make_engine(loaded, EngineConfig(attention="torch", page_size=4),
+                      SimpleNamespace(kind="llm", num_draft=3, scheme="chain",
+                                      llm=TargetConfig(name="d", source="hf", path=str(hf_dir))))
+    out = eng.generate(prompts, params, progress=False)
+    assert [r.token_ids for r in out] == _ar(loaded, prompts, params)
+
+
+def test_head_for_another_target_is_refused(tiny_hf, tmp_path):
+    from conftest import make_tiny_hf
+
+    make_tiny_hf("llama3", tmp_path / "other", seed=1)  # same shapes, other weights
+    a = _loaded(tiny_hf, "llama3")
+    b = load_target(TargetConfig(name="other", source="hf", path=str(tmp_path / "other")),
+                    with_tokenizer=False)
+    head = build_head(HeadConfig(type="mtp"), frozen_parts_of(a))
+    save_head(head, tmp_path / "h")
+    with pytest.raises(ValueError, match="other embedding/lm_head"):
+        make_engine(b, EngineConfig(attention="torch"),
+                    SimpleNamespace(kind="head", checkpoint=str(tmp_path / "h"), num_draft=2, scheme="chain"))
+
+
+def test_too_many_draft_tokens_for_context(tiny_hf, tmp_path):
+    loaded = _loaded(tiny_hf)
+    with pytest.raises(ValueError, match="does not fit the context"):
+        SpecEngine(loaded.model, None, EngineConfig(attention="torch", max_context=8),
+                   lambda *a: None, num_draft=7)
