@@ -139,6 +139,9 @@ def summarize(outputs: Sequence[TurnOutput], k: int | None = None) -> dict[str, 
         "num_errors": sum(not o.ok for o in outputs),
         "generated_tokens": generated_tokens(outputs),
         "target_steps": target_steps(outputs),
+        # Steps that verified at least one draft: the rest (prefill, no proposal) sit in
+        # accept_len_hist[0] as well, so hist[0] - (target_steps - draft_steps) were rejections.
+        "draft_steps": int((_steps(outputs)[0] > 0).sum()),
         "mean_accept_len": mean_accept_len(outputs),
         "accept_len_hist": accept_len_hist(outputs, k),
         "per_position_accept_rate": per_position_accept_rate(outputs, k),

@@ -109,7 +109,8 @@ def load_humaneval(path: str | Path | None = None, limit: int | None = None) -> 
     for lineno, rec in _json_lines(path):
         if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) \
                 or not isinstance(rec.get("task_id"), str):
-            raise ValueError(f"{path}:{lineno}: a HumanEval line needs string 'task_id' and 'prompt'")
+            raise ValueError(f"{path}:{lineno}: a HumanEval line needs string 'task_id' and "
+                             "'prompt'")
         items.append(PromptItem(rec["task_id"], "code",
                                 [HUMANEVAL_INSTRUCTION.format(prompt=rec["prompt"])]))
         if limit is not None and len(items) >= limit:

@@ -49,7 +49,8 @@ class PrecomputeConfig:
         try:
             ids = [int(x) for x in spec.split(",")]
         except ValueError:
-            raise ValueError(f"aux={self.aux!r}: use none, eagle3 or comma-separated layer ids") from None
+            raise ValueError(
+                f"aux={self.aux!r}: use none, eagle3 or comma-separated layer ids") from None
         bad = [i for i in ids if not 0 <= i < num_layers]
         if bad:
             raise ValueError(f"aux layer ids {bad} are outside 0..{num_layers - 1}")

@@ -28,7 +28,8 @@ def plan_shards(lengths: Sequence[int], shard_tokens: int) -> list[list[int]]:
     return shards
 
 
-def plan_batches(indices: Sequence[int], lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+def plan_batches(indices: Sequence[int], lengths: Sequence[int],
+                 batch_tokens: int) -> list[list[int]]:
     """Split a shard's record indices into length-sorted batches with B * max_len <= budget."""
     order = sorted(indices, key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []

@@ -1,9 +1,14 @@
 """The precompute job: chats -> tokenized records -> shard plan -> shards + manifest.
 
 Resumable: every finished shard is recorded (per rank) in a progress file written after the
-shard's atomic rename, so a kill at any point loses at most the shard in flight. Under
-torchrun each rank takes shards k with k % world == rank of one global plan, so the files are
-the same as a single process writes; rank 0 merges the progress files into manifest.json.
+shard's atomic rename, so a kill at any point loses at most the shard in flight, and a rerun
+computes the missing shards with the same batches, so the same bytes. Under torchrun each rank
+takes shards k with k % world == rank of one global plan, so the files are the same as a
+single process writes; rank 0 merges the progress files into manifest.json.
+
+Byte equality holds between runs with the same device and BLAS thread count: OpenBLAS sums in
+a different order with 1 and 2 threads (last-bit differences that bf16 rounding mostly, not
+always, hides). Shards from different settings are equally valid; only their sha256s differ.
 """
 from __future__ import annotations
 
@@ -93,15 +98,8 @@ def _run(cfg: PrecomputeConfig, rank: int, world: int) -> Manifest | None:
     if tok is None:
         raise ValueError(f"target {cfg.target.name!r} has no tokenizer; precompute needs one")
     aux_layers = cfg.aux_layer_ids(model.arch.num_layers)
-    convs, report = result.conversations, result.report
-    regen_counts = {}
-    if cfg.data.regenerate:
-        engine = LLMEngine(model, tok, cfg.engine)
-        convs, regen_counts = regenerate(engine, convs, cfg.data, progress=cfg.progress and rank == 0)
-    records = list(tokenize_conversations(tok, convs, cfg.data.max_length, cfg.data.system_prompt,
-                                          report=report, rejected=result.rejected))
-    if not records:
-        raise ValueError(f"no usable conversations in {report.source} (rejected: {report.rejected})")
+    records, regen_counts = _records(cfg, result, model, tok, rank)
+    report = result.report
     lengths = [len(r.input_ids) for r in records]
     shards = plan_shards(lengths, cfg.shard_tokens)
     tok_id = tokenizer_identity(tok)
@@ -109,23 +107,13 @@ def _run(cfg: PrecomputeConfig, rank: int, world: int) -> Manifest | None:
                        "records": records_sha256(records), "shard_tokens": cfg.shard_tokens,
                        "batch_tokens": cfg.batch_tokens, "hidden_dtype": cfg.hidden_dtype,
                        "aux": aux_layers, "dtype": cfg.target.dtype})
-    h = model.arch.hidden_size
-
-    out.mkdir(parents=True, exist_ok=True)
-    if cfg.overwrite and rank == 0:
-        _clear(out, with_results=True)
-    if cfg.overwrite and world > 1:
-        _barrier()
-    finished = _finished_manifest(out, phash, len(shards))
+    finished, done = _open_output(out, cfg.overwrite, phash, len(shards), rank, world)
     if finished is not None:  # resume after completion: nothing to do, files kept as they are
-        if rank == 0:
-            print(f"precompute: {out} already holds all {len(shards)} shards of this plan; "
-                  "nothing to do (overwrite=true recomputes)")
         return finished
-    done = _done_entries(out, phash)
     manifest = Manifest(
-        target={k: loaded.identity[k] for k in ("name", "source", "path", "arch", "weights_sha256")},
-        tokenizer=tok_id, hidden_dtype=cfg.hidden_dtype, hidden_size=h,
+        target={k: loaded.identity[k]
+                for k in ("name", "source", "path", "arch", "weights_sha256")},
+        tokenizer=tok_id, hidden_dtype=cfg.hidden_dtype, hidden_size=model.arch.hidden_size,
         aux_layers=aux_layers, plan_hash=phash, num_planned_shards=len(shards),
         data={"config": asdict(cfg.data), "load_report": report.to_dict(),
               "regeneration": regen_counts, "max_length": cfg.data.max_length})
@@ -150,32 +138,56 @@ def _run(cfg: PrecomputeConfig, rank: int, world: int) -> Manifest | None:
         my_entries.append(ShardEntry(file=shard_name(k), sha256=digest, sequences=len(recs),
                                      tokens=int(shard.cu_seqlens[-1]),
                                      loss_tokens=int(shard.loss_mask.sum()), index=k))
-        write_json_atomic(progress_path, {"plan_hash": phash, "shards": [asdict(e) for e in my_entries]})
+        _save_progress(progress_path, phash, my_entries)
     bar.close()
-    write_json_atomic(progress_path, {"plan_hash": phash, "shards": [asdict(e) for e in my_entries]})
+    _save_progress(progress_path, phash, my_entries)
     if world > 1:
         _barrier()
     if rank != 0:
         return None
-    merged = _done_entries(out, phash)
-    missing = [k for k in range(len(shards)) if k not in merged]
+    _finish(out, manifest, result)
+    _print_summary(out, manifest, result, len(records), time.perf_counter() - t_start)
+    return manifest
+
+
+def _records(cfg: PrecomputeConfig, result, model, tok, rank: int):
+    """(tokenized records, regeneration counts): regenerated answers first if asked."""
+    convs, regen_counts = result.conversations, {}
+    if cfg.data.regenerate:
+        engine = LLMEngine(model, tok, cfg.engine)
+        convs, regen_counts = regenerate(engine, convs, cfg.data,
+                                         progress=cfg.progress and rank == 0)
+    records = list(tokenize_conversations(tok, convs, cfg.data.max_length, cfg.data.system_prompt,
+                                          report=result.report, rejected=result.rejected))
+    if not records:
+        raise ValueError(f"no usable conversations in {result.report.source} "
+                         f"(rejected: {result.report.rejected})")
+    return records, regen_counts
+
+
+def _finish(out: Path, manifest: Manifest, result) -> None:
+    """Rank 0, once every rank is done: merged manifest, rejects.jsonl, progress files gone."""
+    merged = _done_entries(out, manifest.plan_hash)
+    missing = [k for k in range(manifest.num_planned_shards) if k not in merged]
     if missing:
         raise RuntimeError(f"shards {missing[:5]} are missing after the run; rerun to resume")
     manifest.shards = [merged[k] for k in sorted(merged)]
     manifest.complete = True
     manifest.save(out / "manifest.json")
-    n_rej = write_rejects(out / "rejects.jsonl", result.rejected)
+    write_rejects(out / "rejects.jsonl", result.rejected)
     _clear(out, with_results=False)
-    secs = time.perf_counter() - t_start
+
+
+def _print_summary(out: Path, manifest: Manifest, result, kept: int, secs: float) -> None:
+    report = result.report
     nbytes = sum((out / e.file).stat().st_size for e in manifest.shards)
-    print(f"precompute done: kept {len(records)} records, rejected {n_rej} "
+    print(f"precompute done: kept {kept} records, rejected {len(result.rejected)} "
           f"{dict(sorted(report.rejected.items()))}, {manifest.num_tokens} tokens, "
           f"{len(manifest.shards)} shards, {nbytes / 1e6:.1f} MB "
           f"({nbytes / max(manifest.num_tokens, 1):.0f} B/token), {secs:.1f}s -> {out}")
     if report.truncated_tail:
         print(f"note: input was cut off mid-record; {report.tail_bytes_dropped} trailing bytes "
               "dropped, every complete record kept")
-    return manifest
 
 
 def _dry_run(cfg: PrecomputeConfig, result, rank: int) -> None:
@@ -218,6 +230,21 @@ def _target_arch(cfg: PrecomputeConfig):
     from inference_eval.target import target_hf_dir
 
     return ModelArch.from_hf_config(AutoConfig.from_pretrained(target_hf_dir(cfg.target)))
+
+
+def _open_output(out: Path, overwrite: bool, phash: str, num_shards: int, rank: int,
+                 world: int) -> tuple[Manifest | None, dict[int, ShardEntry]]:
+    """(manifest if this plan is already complete, shards already done) for `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    if overwrite and rank == 0:
+        _clear(out, with_results=True)
+    if overwrite and world > 1:
+        _barrier()
+    finished = _finished_manifest(out, phash, num_shards)
+    if finished is not None and rank == 0:
+        print(f"precompute: {out} already holds all {num_shards} shards of this plan; "
+              "nothing to do (overwrite=true recomputes)")
+    return finished, _done_entries(out, phash)
 
 
 def _read_plan_file(p: Path, expected_hash: str) -> dict | None:
@@ -264,6 +291,10 @@ def _clear(out: Path, with_results: bool) -> None:
                                                           out / "rejects.jsonl"]
     for p in doomed:
         p.unlink(missing_ok=True)
+
+
+def _save_progress(path: Path, phash: str, entries: list[ShardEntry]) -> None:
+    write_json_atomic(path, {"plan_hash": phash, "shards": [asdict(e) for e in entries]})
 
 
 def _init_process_group() -> None:

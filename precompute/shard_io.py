@@ -45,9 +45,12 @@ def bytes_per_token(hidden_size: int, num_aux: int, hidden_dtype: str) -> int:
     """Stored bytes per token: input_ids 4 + loss_mask 1 + hidden (+ fp8 scale 4) + aux.
 
     Excludes cu_seqlens (8 per sequence) and the safetensors header (a few hundred bytes)."""
-    elt = 1 if hidden_dtype == "fp8" else torch.empty((), dtype=getattr(torch, hidden_dtype)).element_size()
-    aux_elt = 2 if hidden_dtype == "fp8" else elt  # fp8 runs keep aux in bf16 (see dump.py)
-    return 4 + 1 + hidden_size * elt + (4 if hidden_dtype == "fp8" else 0) + num_aux * hidden_size * aux_elt
+    if hidden_dtype == "fp8":  # fp8 e4m3 + an fp32 scale per token; aux stays bf16 (dump.py)
+        hidden, aux = hidden_size * 1 + 4, num_aux * hidden_size * 2
+    else:
+        elt = torch.empty((), dtype=getattr(torch, hidden_dtype)).element_size()
+        hidden, aux = hidden_size * elt, num_aux * hidden_size * elt
+    return 4 + 1 + hidden + aux
 
 
 def quantize_fp8(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

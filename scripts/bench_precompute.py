@@ -1,0 +1,134 @@
+"""Hidden-state dump speed and size: our precompute path vs the EAGLE/SpecForge recipe, same run.
+
+Both sides get the same conversations (the first --limit ShareGPT chats, chat-templated and
+loss-masked by precompute/data), the same target weights (SmolLM2 by default), dtype and
+thread count.
+- ours: `build_shard` (length-sorted packed batches of <= --batch-tokens tokens, the engine's
+  model with the OpenBLAS CPU path, lm_head skipped), then `write_shard` (bf16, last hidden
+  only); bytes per token are measured on the written file.
+- base: what EAGLE's ge_data and SpecForge's prepare_hidden_states do: transformers'
+  AutoModelForCausalLM forward with output_hidden_states=True on right-padded batches in
+  dataset order, copying hidden_states[-1] of the real tokens out as bf16. Its batch size is
+  ours on average (records / our batches), unless --base-batch-size says otherwise.
+Ends with one JSON line: {"bench": "precompute", "ours_tok_s", "base_tok_s", "ratio",
+"bytes_per_token", "bytes_budget": 2*H+8, ...}.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import precompute.dump as dump
+from inference_eval.attention import make_backend
+from inference_eval.model.linear import set_cpu_blas
+from inference_eval.target import TargetConfig, load_target
+from precompute.data import DataConfig, load_conversations, tokenize_conversations
+from precompute.plan import plan_batches
+from precompute.shard_io import write_shard
+
+
+def ours(model, records, batch_tokens: int) -> tuple[float, object]:
+    backend = make_backend("torch", "cpu")
+    t = time.perf_counter()
+    shard = dump.build_shard(model, backend, records, batch_tokens=batch_tokens, aux_layers=[],
+                             hidden_dtype="bfloat16")
+    return time.perf_counter() - t, shard
+
+
+@torch.inference_mode()
+def base(hf, records, batch_size: int, pad_id: int) -> float:
+    t = time.perf_counter()
+    for s in range(0, len(records), batch_size):
+        batch = [r.input_ids for r in records[s:s + batch_size]]
+        width = max(map(len, batch))
+        ids = torch.tensor([x + [pad_id] * (width - len(x)) for x in batch])
+        mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in batch])
+        out = hf(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        last = out.hidden_states[-1]
+        kept = [last[b, :len(x)].to(torch.bfloat16).clone() for b, x in enumerate(batch)]
+        del out, last, kept
+    return time.perf_counter() - t
+
+
+def threads_check(model, records, batch_tokens: int) -> dict[str, float]:
+    """tok/s of build_shard with torch at 1 thread (what dump.py does) and at the process
+    default (dump's thread switch disabled), on the same records."""
+    res = {}
+    tokens = sum(len(r.input_ids) for r in records)
+    for label in ("torch_threads_1", f"torch_threads_{torch.get_num_threads()}"):
+        keep = dump._torch_threads
+        if label != "torch_threads_1":
+            dump._torch_threads = lambda n: contextlib.nullcontext()
+        try:
+            secs, _ = ours(model, records, batch_tokens)
+        finally:
+            dump._torch_threads = keep
+        res[label] = round(tokens / secs, 1)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=64, help="first N ShareGPT conversations")
+    ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--base-batch-size", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads-check", type=int, default=0,
+                    help="also time build_shard with torch at 1 vs --threads threads on the "
+                         "first N records")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    loaded = load_target(TargetConfig(dtype=args.dtype))
+    model, tok = loaded.model, loaded.tokenizer
+    set_cpu_blas(model, args.dtype == "float32")  # what run.py does on CPU fp32
+    hf = AutoModelForCausalLM.from_pretrained(loaded.hf_dir,
+                                              dtype=model.lm_head_weight.dtype).eval()
+    data = load_conversations(DataConfig(limit=args.limit))
+    records = list(tokenize_conversations(tok, data.conversations, args.max_length))
+    tokens = sum(len(r.input_ids) for r in records)
+    lengths = [len(r.input_ids) for r in records]
+    n_batches = len(plan_batches(range(len(records)), lengths, args.batch_tokens))
+    bs = args.base_batch_size or max(1, round(len(records) / n_batches))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    print(f"{len(records)} records, {tokens} tokens; ours: {n_batches} packed batches of <= "
+          f"{args.batch_tokens} tokens; base: batches of {bs}; {args.threads} threads, "
+          f"{args.dtype}",
+          flush=True)
+
+    warm = records[-2:]  # short warm-up on both sides (allocators, OpenBLAS threads)
+    ours(model, warm, args.batch_tokens)
+    base(hf, warm, bs, pad)
+    extra = {}
+    if args.threads_check:
+        extra["threads_check_tok_s"] = threads_check(model, records[:args.threads_check],
+                                                     args.batch_tokens)
+        print("threads check:", extra["threads_check_tok_s"], flush=True)
+    secs_ours, shard = ours(model, records, args.batch_tokens)
+    print(f"ours: {tokens / secs_ours:.1f} tok/s ({secs_ours:.1f} s)", flush=True)
+    secs_base = base(hf, records, bs, pad)
+    print(f"base: {tokens / secs_base:.1f} tok/s ({secs_base:.1f} s)", flush=True)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "shard_00000.safetensors"
+        write_shard(path, shard)
+        nbytes = path.stat().st_size
+    h = model.arch.hidden_size
+    print(json.dumps({
+        "bench": "precompute", "ours_tok_s": round(tokens / secs_ours, 1),
+        "base_tok_s": round(tokens / secs_base, 1), "ratio": round(secs_base / secs_ours, 2),
+        "bytes_per_token": round(nbytes / tokens, 2), "bytes_budget": 2 * h + 8,
+        "tokens": tokens, "records": len(records), "base_batch_size": bs,
+        "batch_tokens": args.batch_tokens, "threads": args.threads, "dtype": args.dtype, **extra}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Acceptance metrics against hand-worked examples and a per-step Python loop."""
+from __future__ import annotations
+
+import random
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from inference_eval.metrics import (
+    TurnOutput,
+    accept_len_hist,
+    by_category,
+    lossless_check,
+    mean_accept_len,
+    per_position_accept_rate,
+    summarize,
+)
+
+
+def _out(steps, pid="p", cat="c", turn=0, tokens=None, error=None):
+    """TurnOutput from [(proposed, accepted)] steps; tokens default to accepted + 1 per step."""
+    p = [s[0] for s in steps]
+    a = [s[1] for s in steps]
+    n = sum(x + 1 for x in a) if tokens is None else tokens
+    return TurnOutput(pid, cat, turn, list(range(n)), p, a, "length", error)
+
+
+def test_docstring_example_by_hand():
+    # K = 3; steps (3,2), (3,0), (3,3): tokens 3 + 1 + 4 = 8 over 3 steps.
+    o = [_out([(3, 2), (3, 0), (3, 3)])]
+    assert mean_accept_len(o) == pytest.approx(8 / 3)
+    assert accept_len_hist(o) == [1, 0, 1, 1]
+    assert per_position_accept_rate(o) == pytest.approx([2 / 3, 2 / 2, 1 / 2])
+
+
+def test_variable_draft_lengths_by_hand():
+    # A prefill step (0,0) never attempts position 1; a step proposing 1 cannot attempt 2.
+    o = [_out([(0, 0), (2, 2), (1, 1), (2, 1)])]
+    assert mean_accept_len(o) == pytest.approx(8 / 4)  # tokens 1 + 3 + 2 + 2
+    assert accept_len_hist(o) == [1, 2, 1]
+    # position 1: attempted in steps 2,3,4 (all accepted); position 2: steps 2 and 4 -> 1 of 2
+    assert per_position_accept_rate(o) == pytest.approx([1.0, 0.5])
+    assert per_position_accept_rate(o, k=3) == pytest.approx([1.0, 0.5, None])
+
+
+def test_autoregressive_is_tau_one():
+    o = [_out([(0, 0)] * 5, pid="a"), _out([(0, 0)] * 3, pid="b")]
+    s = summarize(o)
+    assert s["mean_accept_len"] == 1.0 and s["accept_len_hist"] == [8]
+    assert s["per_position_accept_rate"] == [] and s["target_steps"] == 8 == s["generated_tokens"]
+    assert s["draft_steps"] == 0
+
+
+def _loop_metrics(outputs, k):
+    """The definitions, one step at a time."""
+    hist, att, acc, toks, steps = [0] * (k + 1), [0] * k, [0] * k, 0, 0
+    for o in outputs:
+        if o.error:
+            continue
+        toks += len(o.token_ids)
+        for p, a in zip(o.proposed, o.accepted):
+            steps += 1
+            hist[a] += 1
+            for pos in range(1, k + 1):
+                if p >= pos and a >= pos - 1:
+                    att[pos - 1] += 1
+                    acc[pos - 1] += a >= pos
+    alpha = [acc[i] / att[i] if att[i] else None for i in range(k)]
+    return toks / steps, hist, alpha
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_vectorized_equals_per_step_loop(seed):
+    rng = random.Random(seed)
+    outs = []
+    for i in range(12):
+        steps = [(0, 0)]
+        for _ in range(rng.randint(0, 20)):
+            p = rng.randint(1, 5)
+            steps.append((p, rng.randint(0, p)))
+        # max_new_tokens can cut the last step short: fewer tokens than accepted + 1
+        o = _out(steps, pid=f"p{i}", cat=rng.choice("xyz"), tokens=None)
+        o.token_ids = o.token_ids[:len(o.token_ids) - rng.randint(0, 1) * (len(steps) > 1)]
+        o.error = "boom" if i == 3 else None
+        outs.append(o)
+    k = max(p for o in outs if not o.error for p in o.proposed)
+    tau, hist, alpha = _loop_metrics(outs, k)
+    assert mean_accept_len(outs) == pytest.approx(tau)
+    assert accept_len_hist(outs) == hist
+    assert per_position_accept_rate(outs) == pytest.approx(alpha)
+    cats = by_category(outs)
+    assert sum(c["target_steps"] for c in cats.values()) == sum(hist)
+    for c, s in cats.items():
+        sub = [o for o in outs if o.category == c]
+        ctau, chist, calpha = _loop_metrics(sub, k)
+        assert s["mean_accept_len"] == pytest.approx(ctau)
+        assert s["accept_len_hist"] == chist  # same K in every category
+        assert s["per_position_accept_rate"] == pytest.approx(calpha)
+
+
+def test_errored_outputs_are_left_out():
+    o = [_out([(2, 2)]), _out([(2, 0)] * 4, pid="bad", error="oom")]
+    s = summarize(o)
+    assert s["mean_accept_len"] == 3.0 and s["num_errors"] == 1 and s["num_outputs"] == 2
+    assert mean_accept_len([o[1]]) is None
+
+
+def test_lossless_check_pairs_by_prompt_and_turn():
+    ar = [_out([(0, 0)] * 3, pid="a"), _out([(0, 0)] * 3, pid="a", turn=1),
+          _out([(0, 0)] * 3, pid="b"), _out([(0, 0)] * 3, pid="c", error="x")]
+    spec = [_out([(2, 2)], pid="a"), _out([(2, 1)], pid="a", turn=1),  # 2 tokens != 3
+            _out([(2, 2)], pid="b"), _out([(2, 2)], pid="c"), _out([(2, 2)], pid="new")]
+    spec[2].token_ids = [0, 7, 2]
+    res = lossless_check(spec, ar)
+    assert res["compared"] == 3 and res["mismatched"] == 2
+    assert res["mismatches"] == [{"id": "a", "turn": 1, "at": 2}, {"id": "b", "turn": 0, "at": 1}]
+    assert lossless_check(ar, ar) == {"compared": 3, "mismatched": 0, "mismatches": []}
+
+
+@pytest.mark.parametrize("meta, tokens, msg", [
+    ({"target_steps": 3, "proposed": [0, 2], "accepted": [0, 1]}, 3, "len\\(proposed\\)=2"),
+    ({"target_steps": 2, "proposed": [0, 1], "accepted": [0, 2]}, 3, "more drafts than"),
+    ({"target_steps": 2, "proposed": [0, 2], "accepted": [0, 1]}, 4, "4 tokens from 2 steps"),
+    ({}, 1, "target_steps=-1"),
+])
+def test_engine_meta_contract_violations_become_errors(meta, tokens, msg):
+    res = SimpleNamespace(token_ids=list(range(tokens)), meta=meta, error=None,
+                          finish_reason="length", text="t")
+    out = TurnOutput.from_result("p", "c", 0, res)
+    assert not out.ok and out.error.startswith("engine meta inconsistent")
+    assert re.search(msg, out.error)
+
+
+def test_from_result_keeps_engine_errors_and_good_meta():
+    bad = SimpleNamespace(token_ids=[], meta={}, error="prompt 0: empty", finish_reason="error",
+                          text=None)
+    assert TurnOutput.from_result("p", "c", 0, bad).error == "prompt 0: empty"
+    good = SimpleNamespace(token_ids=[5, 6, 7], meta={"target_steps": 2, "proposed": [0, 3],
+                           "accepted": [0, 1]}, error=None, finish_reason="stop", text="x")
+    out = TurnOutput.from_result("p", "c", 1, good)
+    assert out.ok and out.target_steps == 2 and out.turn == 1
