@@ -2,8 +2,9 @@
 
 The target distribution p_{t+k} is recomputed on the fly from the stored hidden states
 through the frozen final norm and lm_head. Full-vocabulary fp32 logits of a whole batch
-(N x V, e.g. 16k x 128k = 8 GB) are never held: forward and backward walk `chunk` rows at a
-time, and backward recomputes a chunk's logits instead of saving them.
+(N x V, e.g. 16k x 128k = 8 GB) are never held: the forward walks `chunk` rows at a time
+and forms each chunk's gradient in the same pass, so nothing V-sized is saved for backward.
+Rows of weight 0 (prompt tokens, labels past a sequence's end) are skipped altogether.
 """
 from __future__ import annotations
 
@@ -11,10 +12,19 @@ import torch
 
 
 def _chunk_stats(x, w, y_normed, w_target, t2d, temperature):
-    """Draft log-probs and target probs for one chunk (both [n, V_draft], fp32)."""
-    logq = torch.log_softmax((x @ w.t()).float() / temperature, dim=-1)
+    """Draft log-probs and target probs for one chunk (both [n, V_draft], fp32).
+
+    Every [n, V] temporary is written in place where it can be: at V = 128k each one is
+    0.5 GB per 1k rows, and a pass over it costs as much as the elementwise math in it."""
+    z = (x @ w.t()).float()
+    if temperature != 1.0:
+        z.div_(temperature)
+    logq = torch.log_softmax(z, dim=-1)
+    del z
     with torch.no_grad():
-        zp = (y_normed @ w_target.t()).float() / temperature
+        zp = (y_normed @ w_target.t()).float()
+        if temperature != 1.0:
+            zp.div_(temperature)
         if t2d is not None:
             zp = zp[:, t2d]  # reduced vocabulary: renormalize over the draft's tokens
         p = torch.softmax(zp, dim=-1)
@@ -36,23 +46,25 @@ class ChunkedSoftCE(torch.autograd.Function):
         metrics = torch.zeros(3, dtype=torch.float32, device=x.device)
         gx = torch.zeros_like(x) if want_x else None
         gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
-        for s in range(0, x.shape[0], chunk):
-            rw = row_w[s:s + chunk]
-            live = rw != 0
-            if not bool(live.any()):
-                continue
-            xs = x[s:s + chunk]
-            logq, p = _chunk_stats(xs, w, y_normed[s:s + chunk], w_target, t2d, temperature)
-            q = logq.exp()
-            loss += (-(p * logq).sum(-1) * rw).sum()
-            metrics[0] += (logq.argmax(-1) == p.argmax(-1))[live].float().sum()
-            metrics[1] += torch.minimum(p, q).sum(-1)[live].sum()
-            metrics[2] += live.float().sum()
+        # Rows of weight 0 (prompt tokens, positions whose label lies past their sequence)
+        # carry no loss and no gradient: logits are formed for the live rows only.
+        rows = row_w.nonzero().squeeze(-1)
+        for s in range(0, rows.numel(), chunk):
+            idx = rows[s:s + chunk]
+            rw = row_w[idx]
+            xs = x[idx]
+            logq, p = _chunk_stats(xs, w, y_normed[idx], w_target, t2d, temperature)
+            # Row dot products sum_v p log q without an [n, V] product temporary.
+            loss -= (torch.bmm(p.unsqueeze(1), logq.unsqueeze(2)).view(-1) * rw).sum()
+            metrics[0] += (logq.argmax(-1) == p.argmax(-1)).float().sum()
+            q = logq.exp_()  # logq is not needed after this: q takes its memory
+            metrics[1] += torch.minimum(p, q).sum()
+            metrics[2] += idx.numel()
             if want_x or want_w:
                 # d(-sum p log softmax(z/T))/dz = (q - p) / T
-                g = (q - p) * (rw / temperature).unsqueeze(-1)
+                g = q.sub_(p).mul_((rw / temperature).unsqueeze(-1))
                 if want_x:
-                    gx[s:s + chunk] = (g.to(w.dtype) @ w).to(x.dtype)
+                    gx.index_copy_(0, idx, (g.to(w.dtype) @ w).to(x.dtype))
                 if want_w:
                     gw += g.t() @ xs.float()
         ctx.save_for_backward(gx, gw)

@@ -103,8 +103,8 @@ def run_train():
 
 @pytest.fixture
 def start_train():
-    """start_train(*overrides) -> Popen of `python -m train` (stdout/stderr to files in
-    the cwd-independent temp dir given as `log`); killed at teardown if still running."""
+    """start_train(*overrides, log=PATH) -> Popen of `python -m train`, output to `log`;
+    killed at teardown if still running."""
     procs = []
 
     def start(*overrides: str, log: Path) -> subprocess.Popen:
@@ -136,9 +136,3 @@ def metrics():
 def common() -> list[str]:
     """Overrides every trainer test run shares (see COMMON)."""
     return list(COMMON)
-
-
-@pytest.fixture
-def shard_writer():
-    """write_test_shards(out, target_overrides=(), ...) -> out."""
-    return write_test_shards

@@ -27,3 +27,21 @@ def test_every_head_and_target_composes(head, target):
     for group, name, node in (("head", head, cfg.head), ("target", target, cfg.target)):
         for key, value in yaml.safe_load(Path(CONF_DIR / group / f"{name}.yaml").read_text()).items():
             assert getattr(node, key) == value, f"{group}={name}: {key}"
+
+
+def test_8xh100_script_overrides_compose():
+    """scripts/train_8xh100.sh passes only keys the schema knows, with valid values."""
+    import re
+    import shlex
+
+    text = (CONF_DIR.parent / "scripts" / "train_8xh100.sh").read_text()
+    body = text[text.index("-m train \\"):].split("\n", 1)[1]
+    body = body.replace('"$@"', "").replace("\\\n", " ")
+    fill = {"SHARDS": "/data/shards", "OUT": "runs/h", "BATCH_TOKENS": "16384",
+            "GRAD_ACCUM": "2", "STEPS": "4000", "TARGET_PATH": "meta-llama/Llama-3.1-70B-Instruct"}
+    overrides = [re.sub(r"\$\{?(\w+)\}?", lambda m: fill[m.group(1)], tok)
+                 for tok in shlex.split(body)]
+    cfg = compose("train", TrainConfig, overrides)
+    assert cfg.target.name == "llama3_70b" and cfg.head.type == "mtp"
+    assert cfg.trainer.strategy == "ddp" and cfg.trainer.mixed_precision == "bf16"
+    assert not cfg.validation.enabled

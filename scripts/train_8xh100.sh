@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Train the MTP draft head of Llama-3.1-70B-Instruct on one 8x H100 80 GB node.
+#
+#   SHARDS=runs/shards_70b OUT=runs/head_70b bash scripts/train_8xh100.sh [extra overrides...]
+#
+# Memory per GPU (docs/memory_70b.md has the arithmetic): the head is one decoder layer of
+# the target plus eh_proj, 0.99 B trainable parameters; fp32 weights + grads + AdamW state are
+# 15.8 GB, 19.8 GB with DDP's gradient buckets. The frozen embedding and lm_head (untied,
+# 128256 x 8192 each) are 8.4 GB in fp32 (the trainer keeps the head in fp32; bf16 autocast
+# does the math). A 16k-token micro-batch adds ~10 GB of saved activations, and the chunked
+# soft CE keeps ~2 GB of [1024, 128256] logits at a time (full fp32 logits would be 8.4 GB per
+# tensor). That is ~47 GB of 80 GB, so plain DDP fits with room to spare:
+#   - DDP is the fastest choice (no parameter all-gather per step) and the only strategy whose
+#     checkpoints train/state.py writes correctly today: with fsdp the rank-0 module holds only
+#     its parameter shard, and with deepspeed the AdamW state lives in ZeRO's flat partitions,
+#     so neither is gathered before saving (see the doc's last section).
+#   - trainer.strategy=fsdp / deepspeed (ZeRO-2) bring the head's states to ~6 GB per GPU;
+#     use them only after gathering checkpoints, e.g. for head.num_steps=3 with 32k batches.
+# Global batch: 8 ranks x 16384 tokens x grad_accum 2 = 262,144 tokens per optimizer step.
+# Rank r reads micro-batches r, r+8, ... of one shared order (train/data.py): within an epoch
+# each step sees the 16 micro-batches one process with grad_accum 16 would (tested on CPU with
+# 2 gloo ranks). A restart with the same command resumes from $OUT/checkpoints/latest with
+# the same data position, optimizer and schedule.
+#
+# Inputs: shards precomputed from this exact target (the trainer refuses others: arch and
+# weights fingerprint in manifest.json). TARGET_PATH may be the hub id (each rank then needs
+# the hub cache filled: the trainer reads only embed_tokens, norm and lm_head, but
+# snapshot_download fetches every *.safetensors file) or, better, a local copy.
+# Validation is off: the engine-side validator loads the whole target on the CPU, which for
+# 70B is a job for `python -m inference_eval` on the saved head, not for the training loop.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SHARDS=${SHARDS:?set SHARDS to a precompute output_dir made with target=llama3_70b}
+OUT=${OUT:-runs/head_70b}
+TARGET_PATH=${TARGET_PATH:-meta-llama/Llama-3.1-70B-Instruct}
+NPROC=${NPROC:-8}
+BATCH_TOKENS=${BATCH_TOKENS:-16384}  # per rank and micro-batch
+GRAD_ACCUM=${GRAD_ACCUM:-2}
+STEPS=${STEPS:-4000}
+PYTHON=${PYTHON:-.venv/bin/python}
+
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}  # 16 threads x 8 ranks oversubscribe the host
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1      # a dead rank aborts the job instead of hanging it
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # V-wide chunks fragment
+
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m train \
+  target=llama3_70b target.path="$TARGET_PATH" \
+  head=mtp head.num_steps=1 \
+  data.shards="$SHARDS" data.batch_tokens="$BATCH_TOKENS" \
+  optim.grad_accum="$GRAD_ACCUM" optim.lr=1e-4 optim.warmup_steps=100 optim.grad_clip=1.0 \
+  trainer.strategy=ddp trainer.mixed_precision=bf16 trainer.device=cuda \
+  trainer.max_steps="$STEPS" trainer.loss_chunk=1024 \
+  trainer.log_every=10 trainer.save_every=250 trainer.progress=true trainer.wandb=offline \
+  validation.enabled=false \
+  output_dir="$OUT" "$@"
