@@ -13,6 +13,7 @@ import torch
 
 from heads.rollout import PackedBatch
 from precompute.manifest import Manifest
+from precompute.plan import plan_shards
 from precompute.shard_io import Shard, read_shard
 
 
@@ -64,17 +65,9 @@ class ShardStore:
         """Sequence indices per micro-batch for one epoch (deterministic)."""
         g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         order = torch.randperm(len(self.seqs), generator=g).tolist()
-        out, cur, used = [], [], 0
-        for i in order:
-            n = self.seqs[i].end - self.seqs[i].start
-            if cur and used + n > batch_tokens:
-                out.append(cur)
-                cur, used = [], 0
-            cur.append(i)
-            used += n
-        if cur:
-            out.append(cur)
-        return out
+        # Same greedy in-order packing as precompute's shard plan, over the shuffled order.
+        groups = plan_shards([self.seqs[i].end - self.seqs[i].start for i in order], batch_tokens)
+        return [[order[j] for j in group] for group in groups]
 
     def collate(self, seq_ids: list[int], dtype: torch.dtype = torch.float32) -> PackedBatch:
         parts = [(self.shards[self.seqs[i].shard], self.seqs[i].start, self.seqs[i].end) for i in seq_ids]
