@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAMILIES
+from tiny_hf_models import FAMILIES
 from inference_eval.attention import BatchLayout
 from inference_eval.attention.torch_backend import TorchAttentionBackend
 from inference_eval.kv_cache import KVCache

@@ -78,7 +78,7 @@ def test_llm_draft_other_model_is_lossless(tiny_hf):
 
 
 def test_head_for_another_target_is_refused(tiny_hf, tmp_path):
-    from conftest import make_tiny_hf
+    from tiny_hf_models import make_tiny_hf
 
     make_tiny_hf("llama3", tmp_path / "other", seed=1)  # same shapes, other weights
     a = _loaded(tiny_hf, "llama3")
