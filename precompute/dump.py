@@ -37,7 +37,11 @@ def build_shard(model: TransformerLM, backend: AttentionBackend, records: Sequen
                 on_batch: Callable[[int], None] | None = None) -> Shard:
     """Forward `records` in length-sorted packed batches; rows come back in record order.
 
-    Returns a Shard with hidden [N, H] (pre-final-norm last layer), aux [N, A, H] if asked.
+    Batches hold at most `batch_tokens` padded tokens (B * longest); the plan depends only on
+    the lengths, so a rerun repeats the same GEMM shapes and the same bytes. Returns a Shard
+    with input_ids int32 [N], loss_mask uint8 [N], hidden [N, H] (last layer, pre final norm;
+    `hidden_dtype`, or fp8 e4m3 with a per-token fp32 scale [N]), aux [N, A, H] if asked
+    (bf16 under fp8), cu_seqlens int64 [S+1].
     """
     lengths = [len(r.input_ids) for r in records]
     offsets = [0]
@@ -49,8 +53,10 @@ def build_shard(model: TransformerLM, backend: AttentionBackend, records: Sequen
     aux = torch.empty(total, len(aux_layers), h, dtype=store) if aux_layers else None
     device = next(model.parameters()).device
     # With the OpenBLAS path (CPU fp32) torch's OpenMP pool spins beside OpenBLAS's threads and
-    # both slow down: SmolLM2 on 2 cores dumps THREADS_MEASUREMENT. So torch gets one thread
-    # here, as in LLMEngine.step; the GEMMs, most of the work, still use every core.
+    # both slow down. Measured on 2 cores, SmolLM2, first 8 ShareGPT chats: 128 tok/s with
+    # torch at 1 thread vs 89 at 2 (bench_precompute.py --threads-check 8; 186 vs 112 on 16
+    # chats). So torch gets one thread here, as in LLMEngine.step; the GEMMs, most of the
+    # work, still run on every core.
     with _torch_threads(1 if model.cpu_blas and device.type == "cpu" else None):
         for batch in plan_batches(range(len(records)), lengths, batch_tokens):
             ids = torch.tensor([t for i in batch for t in records[i].input_ids],
