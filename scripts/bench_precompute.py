@@ -10,6 +10,9 @@ thread count.
   AutoModelForCausalLM forward with output_hidden_states=True on right-padded batches in
   dataset order, copying hidden_states[-1] of the real tokens out as bf16. Its batch size is
   ours on average (records / our batches), unless --base-batch-size says otherwise.
+The records are cut into --groups contiguous groups (like shards); each group runs on both
+sides back to back, alternating which goes first, so load from other users of a shared
+machine falls on both alike.
 Ends with one JSON line: {"bench": "precompute", "ours_tok_s", "base_tok_s", "ratio",
 "bytes_per_token", "bytes_budget": 2*H+8, ...}.
 """
@@ -79,6 +82,7 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--base-batch-size", type=int, default=None)
+    ap.add_argument("--groups", type=int, default=4, help="contiguous record groups (shards)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads-check", type=int, default=0,
@@ -96,14 +100,15 @@ def main() -> None:
     data = load_conversations(DataConfig(limit=args.limit))
     records = list(tokenize_conversations(tok, data.conversations, args.max_length))
     tokens = sum(len(r.input_ids) for r in records)
-    lengths = [len(r.input_ids) for r in records]
-    n_batches = len(plan_batches(range(len(records)), lengths, args.batch_tokens))
+    size = -(-len(records) // args.groups)
+    groups = [records[i:i + size] for i in range(0, len(records), size)]
+    n_batches = sum(len(plan_batches(range(len(g)), [len(r.input_ids) for r in g],
+                                     args.batch_tokens)) for g in groups)
     bs = args.base_batch_size or max(1, round(len(records) / n_batches))
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    print(f"{len(records)} records, {tokens} tokens; ours: {n_batches} packed batches of <= "
-          f"{args.batch_tokens} tokens; base: batches of {bs}; {args.threads} threads, "
-          f"{args.dtype}",
-          flush=True)
+    print(f"{len(records)} records, {tokens} tokens in {len(groups)} groups; ours: {n_batches} "
+          f"packed batches of <= {args.batch_tokens} tokens; base: batches of {bs}; "
+          f"{args.threads} threads, {args.dtype}", flush=True)
 
     warm = records[-2:]  # short warm-up on both sides (allocators, OpenBLAS threads)
     ours(model, warm, args.batch_tokens)
@@ -113,20 +118,31 @@ def main() -> None:
         extra["threads_check_tok_s"] = threads_check(model, records[:args.threads_check],
                                                      args.batch_tokens)
         print("threads check:", extra["threads_check_tok_s"], flush=True)
-    secs_ours, shard = ours(model, records, args.batch_tokens)
-    print(f"ours: {tokens / secs_ours:.1f} tok/s ({secs_ours:.1f} s)", flush=True)
-    secs_base = base(hf, records, bs, pad)
-    print(f"base: {tokens / secs_base:.1f} tok/s ({secs_base:.1f} s)", flush=True)
+    secs_ours = secs_base = 0.0
+    nbytes = 0
     with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "shard_00000.safetensors"
-        write_shard(path, shard)
-        nbytes = path.stat().st_size
+        for g, recs in enumerate(groups):
+            n = sum(len(r.input_ids) for r in recs)
+            for side in ("ours", "base") if g % 2 == 0 else ("base", "ours"):
+                if side == "ours":
+                    secs, shard = ours(model, recs, args.batch_tokens)
+                    secs_ours += secs
+                    path = Path(d) / f"shard_{g:05d}.safetensors"
+                    write_shard(path, shard)
+                    nbytes += path.stat().st_size
+                else:
+                    secs = base(hf, recs, bs, pad)
+                    secs_base += secs
+                print(f"group {g + 1}/{len(groups)} {side}: {n / secs:.1f} tok/s ({secs:.1f} s)",
+                      flush=True)
+    print(f"ours: {tokens / secs_ours:.1f} tok/s ({secs_ours:.1f} s); "
+          f"base: {tokens / secs_base:.1f} tok/s ({secs_base:.1f} s)", flush=True)
     h = model.arch.hidden_size
     print(json.dumps({
         "bench": "precompute", "ours_tok_s": round(tokens / secs_ours, 1),
         "base_tok_s": round(tokens / secs_base, 1), "ratio": round(secs_base / secs_ours, 2),
         "bytes_per_token": round(nbytes / tokens, 2), "bytes_budget": 2 * h + 8,
-        "tokens": tokens, "records": len(records), "base_batch_size": bs,
+        "tokens": tokens, "records": len(records), "groups": len(groups), "base_batch_size": bs,
         "batch_tokens": args.batch_tokens, "threads": args.threads, "dtype": args.dtype, **extra}))
 
 
