@@ -125,10 +125,15 @@ def run_one(loaded: LoadedTarget, engine_cfg: EngineConfig, draft: DraftConfig,
     if cfg.eval.warmup:
         warm = replace(cfg.sampling, max_new_tokens=min(8, cfg.sampling.max_new_tokens))
         runner.generate([turn_prompt([], items[0].turns[0], cfg.eval.chat)], warm)
+    timing = getattr(runner.engine, "timing", None)
+    if timing is not None:
+        timing.update({k: 0.0 for k in timing})  # time the measured prompts only
     outputs, wall = run_items(runner, items, cfg.sampling)
+    # A rebuilt engine (after a failing prompt) restarts its timing; the split is then partial.
+    split = dict(getattr(runner.engine, "timing", None) or {})
     runner.engine = None  # free its KV cache before the next run allocates one
     free_device_memory()
-    return RunResult(draft.label, draft.report_scheme, asdict(draft), outputs, wall)
+    return RunResult(draft.label, draft.report_scheme, asdict(draft), outputs, wall, split)
 
 
 def settings_of(cfg: EvalConfig, loaded: LoadedTarget, items: Sequence[PromptItem],

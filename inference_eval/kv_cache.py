@@ -21,6 +21,16 @@ class KVCache:
         """Keys and values of layer i, each [num_pages, page_size, kv_heads, head_dim]."""
         return self.k[i], self.v[i]
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V from flat slots src [M] to dst [M] (slot = page * page_size
+        + offset); used to compact an accepted tree path. The source rows are gathered before
+        any write, so overlapping src/dst are safe."""
+        if src.numel() == 0:
+            return
+        for t in (self.k, self.v):
+            flat = t.view(t.shape[0], -1, *t.shape[3:])
+            flat[:, dst] = flat[:, src]
+
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

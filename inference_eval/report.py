@@ -5,7 +5,8 @@ report.json (format_version 1):
     runs:     one entry per run, the AR baseline first (name "ar", scheme "ar"), each with
               name, scheme, draft, num_prompts, num_outputs, num_errors, generated_tokens,
               target_steps, draft_steps, mean_accept_len, accept_len_hist, per_position_accept_rate,
-              position_counts {attempted, accepted}, wall_s, tokens_per_s, ar_tokens_per_s,
+              position_counts {attempted, accepted}, wall_s, time_split_s {prefill,
+              draft, verify, catch_up} (speculative runs), tokens_per_s, ar_tokens_per_s,
               speedup, lossless_check {compared, mismatched, mismatches} (null unless greedy),
               by_category {category: summary}, errors [{id, turn, error}]
     primary:  name of the run whose keys are repeated at the top level: the first draft run,
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -41,6 +42,9 @@ class RunResult:
     draft: dict[str, Any]
     outputs: list[TurnOutput]
     wall_s: float
+    # Seconds per phase of the speculative step (prefill, draft, verify, catch_up), warmup
+    # excluded; empty for the autoregressive baseline.
+    time_split_s: dict[str, float] = field(default_factory=dict)
 
 
 def run_summary(run: RunResult, baseline: RunResult, greedy: bool) -> dict[str, Any]:
@@ -57,7 +61,7 @@ def run_summary(run: RunResult, baseline: RunResult, greedy: bool) -> dict[str, 
     return {
         "name": run.name, "scheme": run.scheme, "draft": run.draft, **s,
         "position_counts": position_counts(run.outputs, k),
-        "wall_s": run.wall_s, "tokens_per_s": tps, "ar_tokens_per_s": ar_tps,
+        "wall_s": run.wall_s, "time_split_s": dict(run.time_split_s), "tokens_per_s": tps, "ar_tokens_per_s": ar_tps,
         "speedup": tps / ar_tps if tps and ar_tps else None,
         "lossless_check": lossless,
         "by_category": by_category(run.outputs, k),
@@ -139,6 +143,13 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += _table(["run", "scheme", "τ", "tok/s", "speedup", "lossless mismatched/compared",
                      "tokens", "target steps", "errors", *(f"α_{i}" for i in range(1, k + 1))],
                     rows)
+    timed = [r for r in runs if r.get("time_split_s")]
+    if timed:
+        phases = list(timed[0]["time_split_s"])
+        lines += ["## Where the time goes (seconds, speculative runs)", ""]
+        lines += _table(["run", "wall", *phases],
+                        [[r["name"], r["wall_s"], *(r["time_split_s"].get(p) for p in phases)]
+                         for r in timed])
     cats = sorted({c for r in runs for c in r["by_category"]})
     lines += ["## τ by category", ""]
     lines += _table(["category", "prompts", *(r["name"] for r in runs)],

@@ -75,8 +75,8 @@ def tree_custom_mask(layout: BatchLayout) -> torch.Tensor | None:
     """Flat bool mask [sum_b q_len_b * kv_len_b] for FlashInfer's `custom_mask`, or None.
 
     Request b contributes its [q_len, kv_len] mask flattened row-major (query-major), in
-    request order: the cached prefix (kv_len - q_len keys) is fully visible, the new tokens
-    follow tree_masks[b] (True = may attend), or the causal rule when tree_masks[b] is None.
+    request order: keys before the last m follow the causal rule (all visible), the last m
+    keys follow tree_masks[b] [q_len, m] (True = may attend); causal when tree_masks[b] is None.
     """
     if layout.tree_masks is None:
         return None
@@ -88,11 +88,8 @@ def tree_custom_mask(layout: BatchLayout) -> torch.Tensor | None:
         ctx = kv - q
         rows = torch.arange(q).view(-1, 1)
         mask = torch.arange(kv).view(1, -1) <= ctx + rows
-        if tm is not None:
-            if tuple(tm.shape) != (q, q):
-                raise ValueError(f"request {b}: tree mask has shape {tuple(tm.shape)}, "
-                                 f"expected ({q}, {q})")
-            mask[:, ctx:] = tm.to(device="cpu", dtype=torch.bool)
+        if tm is not None:  # shape checked by BatchLayout: [q, m], q <= m <= kv
+            mask[:, kv - tm.shape[1]:] = tm.to(device="cpu", dtype=torch.bool)
         parts.append(mask.reshape(-1))
     return torch.cat(parts)
 

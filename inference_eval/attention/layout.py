@@ -17,8 +17,10 @@ class BatchLayout:
     kv_lens[b]: tokens in b's cache AFTER this step's tokens are appended.
     block_tables[b]: b's page ids in order; None for cacheless (packed prefill) steps.
     positions: rotary positions [T]; default is the cache index (kv_len - q_len + i).
-    tree_masks[b]: optional bool [q_len, q_len] among b's new tokens (True = may attend); the
-    cached prefix stays fully visible. None means causal.
+    tree_masks[b]: optional bool [q_len, m] over b's LAST m keys, q_len <= m <= kv_len
+    (True = may attend); keys before them stay fully visible. m = q_len is a tree among the
+    new tokens; m > q_len also masks earlier scratch entries (draft-tree construction, where
+    a node sees only its ancestors among the nodes already cached). None means causal.
     """
 
     q_lens: list[int]
@@ -36,6 +38,15 @@ class BatchLayout:
                 raise ValueError(f"request {b}: need 1 <= q_len <= kv_len, got {q}, {kv}")
         if self.block_tables is None and any(q != kv for q, kv in zip(self.q_lens, self.kv_lens)):
             raise ValueError("a cacheless layout cannot have cached context (q_len != kv_len)")
+        if self.tree_masks is not None:
+            if len(self.tree_masks) != len(self.q_lens):
+                raise ValueError(f"tree_masks has {len(self.tree_masks)} entries for "
+                                 f"{len(self.q_lens)} requests")
+            for b, (q, kv, tm) in enumerate(zip(self.q_lens, self.kv_lens, self.tree_masks)):
+                if tm is not None and (tm.dim() != 2 or tm.shape[0] != q
+                                       or not q <= tm.shape[1] <= kv):
+                    raise ValueError(f"request {b}: tree mask has shape {tuple(tm.shape)}, "
+                                     f"expected ({q}, m) with {q} <= m <= {kv}")
 
     @classmethod
     def packed(cls, seq_lens: list[int]) -> "BatchLayout":

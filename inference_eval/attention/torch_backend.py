@@ -63,8 +63,8 @@ class TorchAttentionPlan:
             for bi, tm in enumerate(layout.tree_masks):
                 if tm is None:
                     continue
-                q, c = layout.q_lens[bi], int(ctx[bi])
-                mask[bi, :q, c:c + q] = tm.to(torch.bool)
+                q, kv, m = layout.q_lens[bi], layout.kv_lens[bi], tm.shape[1]
+                mask[bi, :q, kv - m:kv] = tm.to(device="cpu", dtype=torch.bool)
         # Padded query rows see key 0 only, so SDPA never meets an all-false row (NaN).
         pad_rows = i.view(1, -1) >= q_lens.view(b, 1)
         mask[pad_rows] = j == 0

@@ -29,10 +29,13 @@ from inference_eval.spec.drafters import HeadDrafter, LLMDrafter
 
 
 class SpecEngine(LLMEngine):
-    def __init__(self, model, tokenizer, cfg: EngineConfig | None, make_drafter, num_draft: int) -> None:
+    def __init__(self, model, tokenizer, cfg: EngineConfig | None, make_drafter, num_draft: int,
+                 lookahead: int | None = None) -> None:
+        """num_draft: the most draft tokens one round can accept (chain K, tree depth);
+        lookahead: cache slots a round writes past the last token (default K + 1)."""
         if num_draft < 1:
             raise ValueError(f"draft.num_draft must be >= 1, got {num_draft}")
-        super().__init__(model, tokenizer, cfg, lookahead=num_draft + 1)
+        super().__init__(model, tokenizer, cfg, lookahead=lookahead or num_draft + 1)
         if num_draft + 2 >= self.max_context:
             raise ValueError(f"draft.num_draft={num_draft} does not fit the context "
                              f"({self.max_context} tokens)")
@@ -154,7 +157,7 @@ class SpecEngine(LLMEngine):
             if not self._finish_or_keep(r, done):
                 keep.append(i)
         self._catch_up([reqs[i] for i in keep], [acc[i] for i in keep], [emit[i] for i in keep],
-                       [n[i] for i in keep], out, [cu[i] for i in keep])
+                       [n[i] for i in keep], out, [range(cu[i], cu[i] + acc[i] + 1) for i in keep])
         self._tick("catch_up", t0)
 
     def _propose(self, reqs, ks, n, st, greedy):
@@ -211,16 +214,17 @@ class SpecEngine(LLMEngine):
             self.drafter.cached[r.id] = m + 1
         return logits
 
-    def _catch_up(self, reqs, acc, emit, n, out, starts) -> None:
+    def _catch_up(self, reqs, acc, emit, n, out, rows) -> None:
         """After acceptance: refill a head's cache at n..n+a from the target's hidden states
-        (its own drafted entries are less accurate), or trim an LLM draft's valid prefix."""
+        (its own drafted entries are less accurate), or trim an LLM draft's valid prefix.
+        rows[i]: the a+1 rows of the verify output holding request i's accepted tokens."""
         if not reqs:
             return
         if isinstance(self.drafter, LLMDrafter):
             for r, a, m in zip(reqs, acc, n):
                 self.drafter.cached[r.id] = min(self.drafter.cached[r.id], m + a + 1)
             return
-        rows = torch.tensor([s + j for s, a in zip(starts, acc) for j in range(a + 1)], device=self.device)
+        rows = torch.tensor([j for r in rows for j in r], device=self.device)
         toks = torch.tensor([t for e, a in zip(emit, acc) for t in e[:a + 1]], device=self.device)
         layout = self._sub_layout(reqs, [a + 1 for a in acc], [m + a + 1 for m, a in zip(n, acc)])
         aux = None if out.aux is None else out.aux.index_select(0, rows)
@@ -244,8 +248,12 @@ def make_engine(loaded, engine_cfg: EngineConfig, draft_cfg) -> LLMEngine:
     kind = draft_cfg.kind
     if kind == "none":
         return LLMEngine(loaded.model, loaded.tokenizer, engine_cfg)
-    if getattr(draft_cfg, "scheme", "chain") != "chain":
-        raise ValueError(f"draft.scheme={draft_cfg.scheme!r} is not implemented yet; use chain")
+    scheme = getattr(draft_cfg, "scheme", "chain")
+    if scheme not in ("chain", "tree"):
+        raise ValueError(f"draft.scheme={scheme!r}: use chain or tree")
+    if scheme == "tree" and kind != "head":
+        raise ValueError("draft.scheme=tree needs draft=head (an MTP/EAGLE head); use "
+                         "scheme=chain for draft=llm")
     if kind == "head":
         from heads.checkpoint import load_head, read_head_config
 
@@ -268,4 +276,9 @@ def make_engine(loaded, engine_cfg: EngineConfig, draft_cfg) -> LLMEngine:
         make = lambda pages, ps, dev, dt: LLMDrafter(draft, pages, ps, dev, dt)  # noqa: E731
     else:
         raise ValueError(f"draft.kind={kind!r}: use none, head or llm")
+    if scheme == "tree":
+        from inference_eval.spec.tree_engine import TreeSpecEngine
+
+        return TreeSpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.depth,
+                              draft_cfg.topk, draft_cfg.total_tokens)
     return SpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.num_draft)

@@ -160,6 +160,16 @@ def tree_prune(tree: DraftTree, total_tokens: int) -> DraftTree:
     return out
 
 
+def tree_limit(tree: DraftTree, max_depth: torch.Tensor) -> DraftTree:
+    """Drop nodes deeper than max_depth [B] (per request: near max_new_tokens or the context
+    end) and compact -> tree [B, N] whose valid nodes are a prefix of each row. Closed under
+    parents (an ancestor is never deeper), so the result is still a tree."""
+    keep = tree.valid & (tree.depth <= max_depth.view(-1, 1))
+    cut = DraftTree(tree.tokens, tree.parents, tree.depth, keep,
+                    torch.where(keep, tree.scores, float("-inf")))
+    return tree_prune(cut, tree.num_nodes)
+
+
 def build_tree(root_tokens: torch.Tensor,
                draft: Callable[[DraftTree, torch.Tensor], torch.Tensor],
                depth: int, topk: int, frontier_size: int, total_tokens: int) -> DraftTree:

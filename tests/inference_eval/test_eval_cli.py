@@ -192,3 +192,33 @@ def test_real_spec_engine_self_draft_is_lossless(tmp_path, prompt_file):
     assert report["lossless_check"]["compared"] == 4 and report["lossless_check"]["mismatched"] == 0
     assert report["per_position_accept_rate"] == [1.0, 1.0, 1.0]
     assert report["mean_accept_len"] == report["generated_tokens"] / report["target_steps"] > 1
+
+
+def test_head_chain_and_tree_side_by_side(tmp_path, prompt_file):
+    """A (random) head drafting as a chain and as an EAGLE-2 tree in one report: lossless,
+    τ = tokens / target steps, and the time split covers every speculative phase."""
+    from heads.checkpoint import save_head
+    from heads.config import HeadConfig
+    from heads.registry import build_head
+    from inference_eval.spec.engine import frozen_parts_of
+    from inference_eval.target import load_target
+
+    base = compose("eval", EvalConfig, [*FAST, "prompts=jsonl", f"prompts.path={prompt_file}"])
+    save_head(build_head(HeadConfig(type="mtp"), frozen_parts_of(load_target(base.target)), seed=1),
+              tmp_path / "mtp")
+    cfg = compose("eval", EvalConfig, [
+        *FAST, "prompts=jsonl", f"prompts.path={prompt_file}", f"output_dir={tmp_path / 'o'}",
+        "eval.warmup=false", f"drafts=[{{kind:head,checkpoint:{tmp_path / 'mtp'},name:c2,num_draft:2}},"
+        f"{{kind:head,checkpoint:{tmp_path / 'mtp'},name:t,scheme:tree,depth:3,topk:3,total_tokens:6}}]"])
+    report = evaluate.main(cfg)
+    ar, c2, tree = report["runs"]
+    assert (c2["scheme"], tree["scheme"]) == ("chain", "tree")
+    for run, k in ((c2, 2), (tree, 3)):
+        assert run["lossless_check"] == {"compared": 4, "mismatched": 0, "mismatches": []}
+        assert run["mean_accept_len"] == pytest.approx(run["generated_tokens"] / run["target_steps"])
+        assert sum(run["accept_len_hist"]) == run["target_steps"] and len(run["accept_len_hist"]) <= k + 1
+        split = run["time_split_s"]
+        assert set(split) == {"prefill", "draft", "verify", "catch_up"}
+        assert all(v > 0 for v in split.values()) and sum(split.values()) <= run["wall_s"]
+    assert ar["time_split_s"] == {}
+    assert "Where the time goes" in (tmp_path / "o" / "report.md").read_text()

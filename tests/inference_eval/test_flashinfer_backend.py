@@ -83,9 +83,20 @@ def test_tree_mask_worked_example():
 
 def test_tree_mask_none_without_trees_and_shape_checked():
     assert tree_custom_mask(BatchLayout([1, 2], [4, 2], [[0], [1]], page_size=4)) is None
-    bad = BatchLayout([2], [5], [[0, 1]], page_size=4, tree_masks=[torch.ones(3, 3, dtype=torch.bool)])
-    with pytest.raises(ValueError, match=r"request 0: tree mask has shape \(3, 3\), expected \(2, 2\)"):
-        tree_custom_mask(bad)
+    for shape in ((3, 3), (2, 6), (2, 1)):
+        with pytest.raises(ValueError, match=r"request 0: tree mask has shape \(%d, %d\), "
+                           r"expected \(2, m\) with 2 <= m <= 5" % shape):
+            BatchLayout([2], [5], [[0, 1]], page_size=4, tree_masks=[torch.ones(*shape, dtype=torch.bool)])
+
+
+def test_wide_tree_mask_covers_the_last_m_keys():
+    # 2 prefix keys fully visible, then 4 masked keys: 2 scratch entries + the 2 new tokens.
+    tm = torch.tensor([[0, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    layout = BatchLayout([2], [6], [[0, 1]], page_size=4, tree_masks=[tm])
+    want = [[1, 1, 0, 1, 1, 0], [1, 1, 1, 0, 0, 1]]
+    assert tree_custom_mask(layout).view(2, 6).int().tolist() == want
+    ref = TorchAttentionPlan(layout, torch.device("cpu")).mask[0, 0]
+    assert ref.int().tolist() == want
 
 
 def test_tree_mask_matches_torch_backend_mask():
