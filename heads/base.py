@@ -73,4 +73,7 @@ class DraftHead(nn.Module):
         return {}
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embed[tokens]
+        """tokens [T] -> E[tokens] [T, H] in the dtype of the head's own weights: in training
+        the frozen table stays in the target's dtype (bf16) beside fp32 master weights
+        (train/precision.py), and casting the gathered rows costs T x H, the table V x H."""
+        return self.embed[tokens].to(self.frozen.norm.weight.dtype)

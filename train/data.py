@@ -1,8 +1,10 @@
 """Training data: verified, memory-mapped shards packed into token-budget micro-batches.
 
-Order is a pure function of (seed, epoch): sequences are shuffled, packed greedily up to
-`batch_tokens`, and micro-batch j goes to rank j % world. Resuming at optimizer step s
-skips exactly the micro-batches steps < s consumed, so a resumed run sees the same data.
+Order is a pure function of (seed, epoch): sequences are shuffled and packed greedily up to
+`batch_tokens`; the epochs' micro-batches form one endless global sequence, and global
+micro-batch j goes to rank j % world. A position is a count of global micro-batches, the
+same for any world size, so a run resumed on another number of ranks with the same global
+batch (world x grad_accum) sees the same data per step (train/state.py checks that).
 """
 from __future__ import annotations
 
@@ -88,31 +90,31 @@ def _dequant(s: Shard, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 class MicroBatchStream:
-    """Endless rank-local micro-batches across epochs; `skip(n)` fast-forwards on resume."""
+    """Endless rank-local micro-batches: rank r of W takes global micro-batches r, r+W, ...
 
-    def __init__(self, store: ShardStore, batch_tokens: int, seed: int, rank: int, world: int) -> None:
+    Epochs follow each other without a gap (no micro-batch is dropped to even out ranks: the
+    sequence never ends, so every rank always has its next one). `position` is the number of
+    global micro-batches the ranks have taken together (each rank took position / W)."""
+
+    def __init__(self, store: ShardStore, batch_tokens: int, seed: int, rank: int, world: int,
+                 position: int = 0) -> None:
+        if position % world:
+            raise ValueError(f"data position {position} is not a multiple of the world size {world}")
         self.store, self.batch_tokens, self.seed = store, batch_tokens, seed
         self.rank, self.world = rank, world
-        self.epoch, self.pos, self.consumed = 0, 0, 0
-        self._load_epoch()
+        self._next = position + rank  # global index this rank takes next
+        self.epoch, self._epoch_start = 0, 0
+        self._epoch_batches = store.batches(batch_tokens, seed, 0)
 
-    def _load_epoch(self) -> None:
-        everything = self.store.batches(self.batch_tokens, self.seed, self.epoch)
-        usable = len(everything) - len(everything) % self.world  # equal count on every rank
-        if usable == 0:
-            raise ValueError(f"{len(everything)} micro-batches cannot feed {self.world} ranks; "
-                             "lower data.batch_tokens or precompute more data")
-        self.mine = everything[self.rank:usable:self.world]
+    @property
+    def position(self) -> int:
+        return self._next - self.rank
 
     def next(self) -> list[int]:
-        if self.pos >= len(self.mine):
-            self.epoch, self.pos = self.epoch + 1, 0
-            self._load_epoch()
-        out = self.mine[self.pos]
-        self.pos += 1
-        self.consumed += 1
-        return out
-
-    def skip(self, n: int) -> None:
-        for _ in range(n):
-            self.next()
+        idx = self._next
+        self._next += self.world
+        while idx >= self._epoch_start + len(self._epoch_batches):
+            self._epoch_start += len(self._epoch_batches)
+            self.epoch += 1
+            self._epoch_batches = self.store.batches(self.batch_tokens, self.seed, self.epoch)
+        return self._epoch_batches[idx - self._epoch_start]

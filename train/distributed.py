@@ -5,6 +5,7 @@ works without torchrun; under torchrun the same command scales.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -35,12 +36,20 @@ def make_accelerator(cfg: TrainerConfig, optim: OptimConfig | None = None):
         strategy = "ddp" if world_size() > 1 else "none"
     if strategy == "none" and world_size() > 1:
         raise ValueError("trainer.strategy=none under torchrun: use ddp, fsdp or deepspeed")
+    if strategy == "fsdp" and cpu:
+        # accelerate only shards on accelerators: on the CPU it would silently run plain DDP.
+        raise ValueError("trainer.strategy=fsdp needs CUDA devices (accelerate does not shard on "
+                         "the CPU); use trainer.strategy=ddp on the CPU")
+    if strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise ValueError("trainer.strategy=deepspeed needs the deepspeed package (the `gpu` "
+                         "extra: pip install -e '.[gpu]'); or use trainer.strategy=fsdp or ddp")
     kwargs = {}
     if strategy == "fsdp":
         from accelerate.utils import FullyShardedDataParallelPlugin
 
-        # use_orig_params: heads mix trainable weights with frozen norms in one module.
-        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(use_orig_params=True)
+        # use_orig_params: heads mix trainable weights with frozen norms in one module. FSDP1:
+        # train/full_state.py gathers with its FULL_STATE_DICT API.
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=1, use_orig_params=True)
     elif strategy == "deepspeed":
         from accelerate.utils import DeepSpeedPlugin
 
@@ -52,4 +61,8 @@ def make_accelerator(cfg: TrainerConfig, optim: OptimConfig | None = None):
     ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
     acc = Accelerator(cpu=cpu, mixed_precision=resolve_precision(cfg, "cpu" if cpu else "cuda"),
                       gradient_accumulation_steps=optim.grad_accum, kwargs_handlers=[ddp], **kwargs)
+    want = {"fsdp": "FSDP", "deepspeed": "DEEPSPEED"}.get(strategy)
+    if want and acc.distributed_type.name != want:  # checkpoints gather by strategy: must agree
+        raise ValueError(f"trainer.strategy={strategy} but accelerate set up "
+                         f"{acc.distributed_type.name}; launch with torchrun on CUDA devices")
     return acc, strategy

@@ -33,10 +33,11 @@ class MetricLogger:
         self.history.append(metrics)
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()
-        flat = {}
+        flat = {}  # scalars only: None (e.g. a draft position never attempted) is left out
         for k, v in metrics.items():
             if isinstance(v, list):
-                flat.update({f"{k}/step{i + 1}": x for i, x in enumerate(v)})
+                flat.update({f"{k}/step{i + 1}": x for i, x in enumerate(v)
+                             if isinstance(x, (int, float))})
             elif isinstance(v, (int, float)):
                 flat[k] = v
         if self.wandb is not None:

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from heads.checkpoint import save_head
 from heads.eagle3 import build_draft_vocab
 from heads.frozen import load_frozen
 from heads.objective import summarize
@@ -18,9 +17,13 @@ from heads.registry import build_head
 from train.config import TrainConfig
 from train.data import MicroBatchStream, ShardStore
 from train.distributed import make_accelerator
+from train.full_state import FullState
 from train.logging import MetricLogger
+from train.precision import cast_for_training
 from train.schedule import make_optimizer, make_scheduler
-from train.state import latest_checkpoint, load_training_state, save_training_state
+from train.state import (RunShape, latest_checkpoint, load_training_state, save_final_head,
+                         save_training_state)
+from train.validate import Validator
 
 
 def prepare(cfg: TrainConfig):
@@ -49,21 +52,33 @@ def train(cfg: TrainConfig) -> dict:
     out = Path(cfg.output_dir)
     ck_root = out / "checkpoints"
     tc, oc = cfg.trainer, cfg.optim
-    head = head.float()
+    shape = RunShape(acc.num_processes, oc.grad_accum, cfg.data.batch_tokens, tc.seed, strategy)
+    head = cast_for_training(head, acc.mixed_precision)
+    trainable = list(head.trainable_state())
     opt = make_optimizer([p for p in head.parameters() if p.requires_grad], oc)
     sched = make_scheduler(opt, oc, tc.max_steps)
-    start, consumed = 0, 0
+    start, position, resume = 0, 0, None
     ck = latest_checkpoint(ck_root)
     if ck is not None:
-        start, consumed = load_training_state(ck, head, opt, sched)
+        resume = load_training_state(ck, head, sched, shape)
+        start, position = resume.step, resume.position
         acc.print(f"resuming from {ck} at step {start}")
+    # The validator (target + held-out data) is built before the first step, so its errors
+    # do not wait for the first evaluation; it lives on rank 0 only.
+    validator = Validator(cfg) if cfg.validation.enabled and acc.is_main_process else None
     # The scheduler stays unprepared: accelerate's wrapper steps it num_processes times per
     # optimizer step (it assumes the batch grows with the world), which would make a DDP run's
     # schedule differ from one process's with the same global batch.
     model, opt = acc.prepare(head, opt)
+    full = FullState(strategy, model, opt, head, trainable, acc.device, acc.is_main_process,
+                     acc.wait_for_everyone)
+    if resume is not None:  # optimizer state: after prepare, where FSDP/ZeRO shard it
+        if resume.engine_dir is not None:
+            full.load_engine(resume.engine_dir)
+        else:
+            full.load_optimizer_state(resume.optimizer)
     stream = MicroBatchStream(store, cfg.data.batch_tokens, tc.seed, acc.process_index,
-                              acc.num_processes)
-    stream.skip(consumed)
+                              acc.num_processes, position=position)
     logger = MetricLogger(cfg, out, enabled=acc.is_main_process)
     k_steps = head.cfg.num_steps
     bar = tqdm(total=tc.max_steps, initial=start, desc="train", disable=not (tc.progress and acc.is_main_process))
@@ -99,21 +114,34 @@ def train(cfg: TrainConfig) -> dict:
             bar.set_postfix(loss=f"{last['loss']:.3f}", top1=f"{last['top1_acc'][0]:.3f}")
             window.zero_()
             micro = 0
-        if acc.is_main_process and (done % tc.save_every == 0 or done == tc.max_steps):
-            save_training_state(ck_root, done, acc.unwrap_model(model), opt, sched,
-                                stream.consumed, last)
-        if cfg.validation.enabled and acc.is_main_process and (done % tc.eval_every == 0 or done == tc.max_steps):
-            from train.validate import validate
-
-            logger.log({"step": done, **{f"val/{k}": v for k, v in
-                                         validate(acc.unwrap_model(model), cfg).items()}})
+        if done % tc.save_every == 0 or done == tc.max_steps:  # a collective: every rank
+            save_training_state(ck_root, done, full, sched, stream.position, shape, last)
+        if cfg.validation.enabled and (done % tc.eval_every == 0 or done == tc.max_steps):
+            val = evaluate(validator, full, parts, acc)
+            if val is not None:
+                logger.log({"step": done, **{f"val/{k}": v for k, v in val.items()}})
     bar.close()
     acc.wait_for_everyone()
+    save_final_head(full, out, extra={"train": {"steps": tc.max_steps, "strategy": strategy,
+                                                "shards": str(cfg.data.shards), "metrics": last}})
     if acc.is_main_process:
-        final = acc.unwrap_model(model)
-        save_head(final, out, extra={"train": {"steps": tc.max_steps, "strategy": strategy,
-                                               "shards": str(cfg.data.shards), "metrics": last}})
         (out / "train_metrics.json").write_text(json.dumps(logger.history, indent=1))
         acc.print(f"head checkpoint written to {out}")
     logger.close()
     return last
+
+
+def evaluate(validator: Validator | None, full: FullState, parts, acc) -> dict | None:
+    """Collective under FSDP (the head is gathered into a full copy on rank 0); the metrics
+    on rank 0, None elsewhere."""
+    head = full.module
+    if full.strategy == "fsdp":
+        weights = full.head_weights()
+        if validator is not None:
+            with torch.random.fork_rng(devices=[]):  # build_head seeds the global generator
+                head = build_head(head.cfg, parts, draft_vocab=weights.get("d2t_ids"))
+            head = cast_for_training(head, acc.mixed_precision).to(acc.device)
+            head.load_state_dict(weights, strict=False)
+    metrics = validator(head, autocast=acc.autocast) if validator is not None else None
+    acc.wait_for_everyone()
+    return metrics

@@ -2,14 +2,23 @@
 
 No precomputed states: the engine's target model recomputes the hidden states, the head's
 rollout runs on them (all K steps), and step 1 additionally runs through the engine's paged
-KV-cache attention, the path serving uses. Reported beside the training-side numbers, so
-differences between training and serving numerics show up.
+KV-cache attention, the path serving uses. On the first user turns of a few of those
+conversations the head then drafts for real (inference_eval's speculative engine, greedy, a
+chain of K drafts), which gives the measured τ and α_k beside the teacher-forced expectations
+(ARCHITECTURE: Metrics), so differences between training and serving numerics show up.
+
+The loop owns one Validator (target and data are loaded once) and calls it on rank 0.
 """
 from __future__ import annotations
+
+import contextlib
+import tempfile
+from typing import Callable
 
 import torch
 
 from heads.base import DraftHead
+from heads.checkpoint import save_head
 from heads.objective import summarize
 from heads.rollout import PackedBatch
 from inference_eval.attention import BatchLayout
@@ -24,38 +33,64 @@ from train.config import TrainConfig
 class Validator:
     def __init__(self, cfg: TrainConfig) -> None:
         v = cfg.validation
-        self.loaded = load_target(cfg.target)
+        self.engine_cfg = cfg.engine
+        self.loaded = load_target(cfg.target, device=cfg.engine.resolve_device())
+        self.device = next(self.loaded.model.parameters()).device
         data = DataConfig(source="sharegpt" if v.path is None or v.path.endswith(".json") else "jsonl",
                           path=v.path, skip=v.skip, limit=v.num_conversations, max_length=v.max_length)
         convs = load_conversations(data).conversations
         self.records = list(tokenize_conversations(self.loaded.tokenizer, convs, v.max_length))
         if not self.records:
             raise ValueError("validation found no held-out conversations; check validation.skip/path")
-        self.backend = TorchAttentionBackend()
+        self.backend = TorchAttentionBackend(self.device)
+        # τ prompts: each conversation up to its first assistant token (the chat template's
+        # assistant header included), as token ids, so the engine sees exactly these tokens.
+        firsts = [(r, r.loss_mask.index(1)) for r in self.records if 1 in r.loss_mask]
+        self.tau_prompts = [list(r.input_ids[:i]) for r, i in firsts if i > 0][:v.tau_prompts]
+        self.tau_max_new_tokens = v.tau_max_new_tokens
 
-    @torch.no_grad()
-    def __call__(self, head: DraftHead) -> dict:
-        model = self.loaded.model
+    def __call__(self, head: DraftHead,
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                 ) -> dict:
+        """Metrics of `head` (a full, unsharded head). `autocast`: the training loop's autocast,
+        so the teacher-forced numbers use training numerics; the engine runs without it."""
         was_training = head.training
         head.eval()
+        try:
+            with torch.no_grad():
+                result = self._teacher_forced(head, autocast)
+            if self.tau_prompts and head.uses_tokens:  # the engine drafts chains of token-input heads
+                result.update(self._real_tau(head))
+        finally:
+            head.train(was_training)
+        return result
+
+    # ---- teacher-forced: expected acceptance, and step 1 through the paged KV cache -------
+    def _teacher_forced(self, head: DraftHead, autocast) -> dict:
+        model, dev = self.loaded.model, head.rope_cos.device
+        aux_layers = list(head.cfg.aux_layers) if head.cfg.type == "eagle3" else []
         total = None
         diffs = []
         engine_stats = torch.zeros(3)
         for rec in self.records:
-            ids = torch.tensor(rec.input_ids, dtype=torch.long)
-            n = len(ids)
-            out = model(ids, self.backend.plan(BatchLayout.packed([n])), None, compute_logits=False)
-            hidden = out.hidden.float()
-            batch = PackedBatch(ids, hidden, torch.tensor(rec.loss_mask, dtype=torch.bool), [n])
-            _, stats = head(batch)
-            total = stats if total is None else total + stats
-            feats = self._engine_step1(head, ids, hidden)
-            ref = head.step(torch.cat([ids[1:], ids[:1] * 0]), head.first_hidden(hidden, None),
-                            _rollout_ctx(head, n))[1] if head.uses_tokens else None
-            if ref is not None:
-                diffs.append(float((feats[:-1] - ref[:-1]).abs().max()))
+            n = len(rec.input_ids)
+            ids = torch.tensor(rec.input_ids, dtype=torch.long, device=self.device)
+            out = model(ids, self.backend.plan(BatchLayout.packed([n])), None, compute_logits=False,
+                        aux_layers=aux_layers)
+            ids, hidden = ids.to(dev), out.hidden.to(dev, torch.float32)
+            aux = None if out.aux is None else out.aux.to(dev, torch.float32)
+            mask = torch.tensor(rec.loss_mask, dtype=torch.bool, device=dev)
+            batch = PackedBatch(ids, hidden, mask, [n], aux)
+            with autocast():  # the head only: the target's states are the engine's, as in precompute
+                _, stats = head(batch)
+                total = stats.float().cpu() if total is None else total + stats.float().cpu()
+                if not head.uses_tokens:
+                    continue
+                first = head.first_hidden(hidden, aux)
+                feats = self._engine_step1(head, ids, first)
+                ref = head.step(torch.cat([ids[1:], ids[:1] * 0]), first, _rollout_ctx(head, n))[1]
+                diffs.append(float((feats[:-1] - ref[:-1]).float().abs().max()))
                 engine_stats += _step1_metrics(head, feats, hidden, batch)
-        head.train(was_training)
         result = summarize(total)
         if diffs:
             rows = engine_stats[2].clamp(min=1)
@@ -65,17 +100,43 @@ class Validator:
         result["num_tokens"] = int(total[0, 3])
         return result
 
-    def _engine_step1(self, head: DraftHead, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def _engine_step1(self, head: DraftHead, ids: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         """Step-1 features [n, H] through a paged KV cache, as the engine drafts."""
-        if not head.uses_tokens:
-            return head.medusa_step(1, head.first_hidden(hidden, None))
-        a, n, page = head.arch, ids.numel(), 16
+        a, n, page, dev = head.arch, ids.numel(), 16, ids.device
         pages = -(-n // page)
-        cache = KVCache(1, pages, page, a.num_kv_heads, a.head_dim, dtype=hidden.dtype)
-        plan = self.backend.plan(BatchLayout([n], [n], [list(range(pages))[::-1]], page))
+        cache = KVCache(1, pages, page, a.num_kv_heads, a.head_dim, dtype=first.dtype, device=dev)
+        plan = TorchAttentionBackend(dev).plan(BatchLayout([n], [n], [list(range(pages))[::-1]], page))
         ctx = StepContext(head.rope_cos[plan.positions], head.rope_sin[plan.positions], plan, cache)
         tokens = torch.cat([ids[1:], ids[:1] * 0])  # x_{t+1}; the last row has no next token
-        return head.step(tokens, head.first_hidden(hidden, None), ctx)[1]
+        return head.step(tokens, first, ctx)[1]
+
+    # ---- real speculative decoding --------------------------------------------------------
+    def _real_tau(self, head: DraftHead) -> dict:
+        """Greedy chain speculation with the engine the eval CLI builds (inference_eval's
+        build_engine): the head goes through a head checkpoint, as it would be served."""
+        from inference_eval.eval_config import DraftConfig
+        from inference_eval.evaluate import build_engine
+        from inference_eval.metrics import TurnOutput
+        from inference_eval.metrics import summarize as summarize_outputs
+        from inference_eval.sampling import SamplingParams
+
+        k = head.cfg.num_steps
+        with tempfile.TemporaryDirectory(prefix="specheads_val_head_") as tmp:
+            save_head(head, tmp)
+            draft = DraftConfig(kind="head", name="val", checkpoint=tmp, scheme="chain", num_draft=k)
+            engine = build_engine(self.loaded, self.engine_cfg, draft)  # reads the head now
+        params = SamplingParams(temperature=0.0, max_new_tokens=self.tau_max_new_tokens)
+        results = engine.generate(self.tau_prompts, params, chat=False, progress=False)
+        del engine  # its KV cache
+        outputs = [TurnOutput.from_result(str(i), "validation", 0, r) for i, r in enumerate(results)]
+        s = summarize_outputs(outputs, k)
+        return {"real_tau": s["mean_accept_len"],
+                "real_per_position_accept_rate": s["per_position_accept_rate"],
+                "real_accept_len_hist": s["accept_len_hist"],
+                "real_target_steps": s["target_steps"],
+                "real_draft_steps": s["draft_steps"],
+                "real_generated_tokens": s["generated_tokens"],
+                "real_num_prompts": len(outputs), "real_num_errors": s["num_errors"]}
 
 
 def _rollout_ctx(head: DraftHead, n: int):
@@ -97,15 +158,4 @@ def _step1_metrics(head: DraftHead, feats: torch.Tensor, hidden: torch.Tensor,
     if d2t is not None:
         p = p[:, d2t] / p[:, d2t].sum(-1, keepdim=True)
     match = (q.argmax(-1) == p.argmax(-1))[valid].float().sum()
-    return torch.stack([match, torch.minimum(p, q).sum(-1)[valid].sum(), valid.float().sum()])
-
-
-_VALIDATORS: dict[int, Validator] = {}
-
-
-def validate(head: DraftHead, cfg: TrainConfig) -> dict:
-    """Build the validator once per config object (target load + data), then run it."""
-    key = id(cfg)
-    if key not in _VALIDATORS:
-        _VALIDATORS[key] = Validator(cfg)
-    return _VALIDATORS[key](head)
+    return torch.stack([match, torch.minimum(p, q).sum(-1)[valid].sum(), valid.float().sum()]).cpu()

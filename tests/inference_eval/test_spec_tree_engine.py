@@ -59,7 +59,7 @@ class OracleDrafter(HeadDrafter):
                              dtype, device)
         self.aux_layers, self.carry, self.d2t = [], {}, None
 
-    def run(self, tokens, hidden_in, plan):
+    def run(self, tokens, hidden_in, plan, logit_rows=None):
         lay = plan.layout
         fresh = [q == kv for q, kv in zip(lay.q_lens, lay.kv_lens)]  # prefill from index 0
         pos, toks, keep, cu = lay.position_tensor() + 1, [], [], lay.cu_q()
@@ -80,6 +80,9 @@ class OracleDrafter(HeadDrafter):
         out = self.model(torch.cat(toks), TorchAttentionBackend().plan(shifted), self.cache)
         logits = out.logits[torch.tensor(keep)].float()
         return torch.zeros(len(keep), self.model.arch.hidden_size), logits
+
+    def use_cpu_blas(self, enabled):  # the target's own setting already applies
+        pass
 
     def refill(self, rids, tokens, target_hidden, target_aux, plan, last_rows):
         nxt, logits = self.run(tokens, None, plan)

@@ -63,6 +63,13 @@ def shards(tmp_path_factory) -> Path:
     return write_test_shards(tmp_path_factory.mktemp("shards") / "s")
 
 
+@pytest.fixture(scope="session")
+def make_shards():
+    """write_test_shards, for tests that need shards of another target (test modules cannot
+    import this conftest: tests/conftest.py shares its module name)."""
+    return write_test_shards
+
+
 @pytest.fixture
 def shards_copy(shards, tmp_path) -> Path:
     """A private copy to break."""
@@ -97,6 +104,22 @@ def run_train():
     def run(*overrides: str, nproc: int = 1, timeout: float = 180) -> subprocess.CompletedProcess:
         return subprocess.run(train_cmd(*overrides, nproc=nproc), cwd=REPO, env=cli_env(),
                               capture_output=True, text=True, timeout=timeout)
+
+    return run
+
+
+@pytest.fixture
+def run_fsdp():
+    """run_fsdp(*overrides, stop_at=None) -> CompletedProcess of tests/train/fsdp_worker.py on
+    two gloo ranks (the trainer's step under torch's FSDP; --stop-at N leaves after step N)."""
+
+    def run(*overrides: str, stop_at: int | None = None, timeout: float = 300):
+        stop = ["--stop-at", str(stop_at)] if stop_at else []
+        cmd = [str(PYTHON), "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+               str(REPO / "tests" / "train" / "fsdp_worker.py"), *stop, *overrides]
+        return subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                              timeout=timeout)
 
     return run
 

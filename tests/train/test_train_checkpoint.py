@@ -20,13 +20,13 @@ def test_trained_head_checkpoint_loads_back_with_identical_logits(shards, common
     cfg = compose("train", TrainConfig, [*common, "head.num_steps=2", f"data.shards={shards}",
                                          f"output_dir={out}", "trainer.max_steps=3"])
     held = {}
-    real_save = loop.save_head
+    real_save = loop.save_final_head
 
-    def capture(head, path, extra=None):
-        held["head"] = head
-        return real_save(head, path, extra)
+    def capture(full, path, extra):
+        held["head"] = full.module  # the head the trainer held in memory
+        return real_save(full, path, extra)
 
-    monkeypatch.setattr(loop, "save_head", capture)
+    monkeypatch.setattr(loop, "save_final_head", capture)
     loop.train(cfg)
 
     trained = held["head"].eval()
