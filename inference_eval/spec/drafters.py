@@ -11,6 +11,7 @@ import torch
 from heads.base import DraftHead
 from inference_eval.attention import BatchLayout
 from inference_eval.kv_cache import KVCache
+from inference_eval.model.linear import matmul_wt, set_cpu_blas
 from inference_eval.model.transformer import StepContext, TransformerLM
 
 
@@ -20,6 +21,7 @@ class HeadDrafter:
 
     def __init__(self, head: DraftHead, num_pages: int, page_size: int, device, dtype) -> None:
         self.head = head.to(device=device, dtype=dtype).eval()
+        self.cpu_blas = False  # the engine turns it on with its own setting (use_cpu_blas)
         a = head.arch
         self.cache = KVCache(1, num_pages, page_size, a.num_kv_heads, a.head_dim, dtype, device)
         self.aux_layers = list(head.cfg.aux_layers) if head.cfg.type == "eagle3" else []
@@ -27,12 +29,18 @@ class HeadDrafter:
         d2t = head.draft_to_target()
         self.d2t = None if d2t is None else d2t.to(device)
 
-    def run(self, tokens: torch.Tensor, hidden_in: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [T], hidden_in [T, H] -> (next hidden [T, H], logits [T, V] target vocab)."""
+    def run(self, tokens: torch.Tensor, hidden_in: torch.Tensor, plan,
+            logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [T], hidden_in [T, H] -> (next hidden [T, H], logits [T or R, V] in the
+        target vocab); logit_rows [R] limits the lm_head to those rows (on a small target the
+        draft's lm_head is a fifth of a target step: a refill only needs its last rows)."""
         ctx = StepContext(self.head.rope_cos[plan.positions], self.head.rope_sin[plan.positions],
                           plan, self.cache)
         nxt, feats = self.head.step(tokens, hidden_in, ctx)
-        logits = self.head.logits(feats).float()
+        if logit_rows is not None:
+            feats = feats.index_select(0, logit_rows)
+        # = head.logits(feats), through the engine's CPU BLAS path when it has one on.
+        logits = matmul_wt(feats, self.head.lm_head_weight, self.cpu_blas).float()
         if self.d2t is not None:  # reduced vocabulary: tokens outside it get -inf
             full = logits.new_full((logits.shape[0], self.head.arch.vocab_size), float("-inf"))
             logits = full.index_copy(1, self.d2t, logits)
@@ -43,9 +51,14 @@ class HeadDrafter:
         """Write the head's cache from the target's states (more accurate than its own) and
         carry each request's last row into its next round."""
         hidden_in = self.head.first_hidden(target_hidden, target_aux)
-        nxt, logits = self.run(tokens, hidden_in, plan)
-        for rid, row in zip(rids, last_rows):
-            self.carry[rid] = (nxt[row], logits[row])
+        nxt, logits = self.run(tokens, hidden_in, plan,
+                               torch.tensor(last_rows, dtype=torch.long, device=tokens.device))
+        for j, (rid, row) in enumerate(zip(rids, last_rows)):
+            self.carry[rid] = (nxt[row], logits[j])
+
+    def use_cpu_blas(self, enabled: bool) -> None:
+        set_cpu_blas(self.head, enabled)
+        self.cpu_blas = enabled
 
     def drop(self, rid: int) -> None:
         self.carry.pop(rid, None)
@@ -63,6 +76,9 @@ class LLMDrafter:
                              dtype, device)
         self.cached: dict[int, int] = {}
         self.aux_layers: list[int] = []
+
+    def use_cpu_blas(self, enabled: bool) -> None:
+        set_cpu_blas(self.model, enabled)
 
     def forward(self, tokens: torch.Tensor, plan, logits_indices: torch.Tensor) -> torch.Tensor:
         return self.model(tokens, plan, self.cache, logits_indices=logits_indices).logits

@@ -41,6 +41,8 @@ class SpecEngine(LLMEngine):
                              f"({self.max_context} tokens)")
         self.k = num_draft
         self.drafter = make_drafter(self.allocator.num_pages, self.cfg.page_size, self.device, self.dtype)
+        if hasattr(self.drafter, "use_cpu_blas"):  # the draft's GEMMs take the target's path
+            self.drafter.use_cpu_blas(self.cpu_blas)
         self.timing = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "catch_up": 0.0}
 
     # ---- helpers ------------------------------------------------------------------------
