@@ -15,6 +15,7 @@ from inference_eval.engine import LLMEngine
 from inference_eval.sampling import SamplingParams
 from inference_eval.spec.engine import SpecEngine, frozen_parts_of, make_engine
 from inference_eval.target import TargetConfig, load_target
+from spec_stats import chi2_pvalue, first_two_counts, joint_first_two
 
 
 def _loaded(tiny_hf, family="llama3"):
@@ -98,23 +99,9 @@ def test_too_many_draft_tokens_for_context(tiny_hf, tmp_path):
                    lambda *a: None, num_draft=7)
 
 
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    keep = probs > 0
-    n = counts.sum()
-    exp = probs[keep] * n
-    stat = ((counts[keep] - exp) ** 2 / exp).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         stat.double() / 2.0))
-
-
 def test_sampled_speculation_matches_target_distribution(tiny_hf, tmp_path):
     """Temperature 0.8, top-k 4: the joint law of the first two generated tokens (the second
     one comes from a speculative round) equals the target's exact joint law."""
-    from inference_eval.attention import BatchLayout
-    from inference_eval.attention.torch_backend import TorchAttentionBackend
-    from inference_eval.sampling import SamplingTensors, processed_probs
-
     loaded = _loaded(tiny_hf)
     head = build_head(HeadConfig(type="mtp"), frozen_parts_of(loaded), seed=5)
     with torch.no_grad():  # a head with some agreement, so both accept and reject paths run
@@ -122,23 +109,13 @@ def test_sampled_speculation_matches_target_distribution(tiny_hf, tmp_path):
     save_head(head, tmp_path / "h")
     prompt = _prompts(1, seed=9)[0]
     params = SamplingParams(temperature=0.8, top_k=4, max_new_tokens=3, ignore_eos=True)
-    st = SamplingTensors.from_params([params])
-    be = TorchAttentionBackend()
-    with torch.no_grad():
-        n = len(prompt)
-        p1 = processed_probs(loaded.model(torch.tensor(prompt), be.plan(BatchLayout.packed([n]))).logits[-1:], st)[0]
-        joint = torch.zeros(320, 320, dtype=torch.float64)
-        for t1 in p1.nonzero().flatten().tolist():
-            lg = loaded.model(torch.tensor(prompt + [t1]), be.plan(BatchLayout.packed([n + 1]))).logits[-1:]
-            joint[t1] = p1[t1].double() * processed_probs(lg, st)[0].double()
+    joint = joint_first_two(loaded.model, prompt, params)
     cfg = EngineConfig(attention="torch", page_size=4, max_batch_size=4096, seed=123)
     eng = make_engine(loaded, cfg, SimpleNamespace(kind="head", checkpoint=str(tmp_path / "h"),
                                                    num_draft=2, scheme="chain"))
     trials = 3000
     out = eng.generate([prompt] * trials, params, progress=False)
-    counts = torch.zeros(320, 320, dtype=torch.float64)
-    for r in out:
-        counts[r.token_ids[0], r.token_ids[1]] += 1
+    counts = first_two_counts(out, 320)
     accepted = sum(r.meta["accepted"][1] for r in out)
     assert 0 < accepted < trials  # both branches were exercised
-    assert _chi2_pvalue(counts.flatten(), joint.flatten()) > 1e-4
+    assert chi2_pvalue(counts, joint) > 1e-4

@@ -20,6 +20,7 @@ from inference_eval.spec.drafters import HeadDrafter
 from inference_eval.spec.engine import frozen_parts_of, make_engine
 from inference_eval.spec.tree_engine import TreeSpecEngine
 from inference_eval.target import TargetConfig, load_target
+from spec_stats import chi2_pvalue, first_two_counts, joint_first_two
 
 BOS = 1
 
@@ -164,42 +165,21 @@ def test_scratch_mask_is_ancestors_and_self():
     assert got[0].int().tolist() == want
 
 
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    keep = probs > 0
-    exp = probs[keep] * counts.sum()
-    stat = ((counts[keep] - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2.0, dtype=torch.float64),
-                                         stat.double() / 2.0))
-
-
 def test_sampled_tree_matches_target_distribution(tiny_hf):
     """Temperature 0.8, top-k 4: the joint law of the first two generated tokens (the second
     comes from a tree round) equals the target's exact joint law. The oracle draft's top-2
     children are accepted often but not always, so both branches of the rule run."""
-    from inference_eval.attention.torch_backend import TorchAttentionBackend
-    from inference_eval.sampling import SamplingTensors, processed_probs
-
     loaded = _loaded(tiny_hf)
     prompt = _prompts(1, seed=9)[0]
     params = SamplingParams(temperature=0.8, top_k=4, max_new_tokens=3, ignore_eos=True)
-    st = SamplingTensors.from_params([params])
-    be = TorchAttentionBackend()
-    with torch.no_grad():
-        n = len(prompt)
-        p1 = processed_probs(loaded.model(torch.tensor(prompt), be.plan(BatchLayout.packed([n]))).logits[-1:], st)[0]
-        joint = torch.zeros(320, 320, dtype=torch.float64)
-        for t1 in p1.nonzero().flatten().tolist():
-            lg = loaded.model(torch.tensor(prompt + [t1]), be.plan(BatchLayout.packed([n + 1]))).logits[-1:]
-            joint[t1] = p1[t1].double() * processed_probs(lg, st)[0].double()
+    joint = joint_first_two(loaded.model, prompt, params)
     cfg = EngineConfig(attention="torch", page_size=4, max_batch_size=4096, seed=123)
     eng = TreeSpecEngine(loaded.model, None, cfg,
                          lambda p, ps, d, dt: OracleDrafter(loaded.model, p, ps, d, dt),
                          depth=2, topk=2, total_tokens=4)
     trials = 3000
     out = eng.generate([prompt] * trials, params, progress=False)
-    counts = torch.zeros(320, 320, dtype=torch.float64)
-    for r in out:
-        counts[r.token_ids[0], r.token_ids[1]] += 1
+    counts = first_two_counts(out, 320)
     accepted = sum(r.meta["accepted"][1] for r in out)
     assert 0.05 * trials < accepted < 0.95 * trials
-    assert _chi2_pvalue(counts.flatten(), joint.flatten()) > 1e-4
+    assert chi2_pvalue(counts, joint) > 1e-4

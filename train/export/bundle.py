@@ -79,6 +79,19 @@ def read_config(path: Path) -> dict[str, Any]:
     return json.loads(p.read_text())
 
 
+def read_one_layer_config(path: Path, head: str) -> dict[str, Any]:
+    """config.json of an EAGLE-style draft checkpoint, which must hold exactly one layer."""
+    cfg = read_config(path)
+    if cfg.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"{path}: {cfg['num_hidden_layers']} draft layers; our {head} head "
+                         "has one")
+    return cfg
+
+
+def has_architecture(cfg: dict[str, Any], names: tuple[str, ...] | set[str]) -> bool:
+    return any(a in names for a in cfg.get("architectures") or [])
+
+
 def write_dir(out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
               weights_name: str = "model.safetensors") -> Path:
     """config.json + one safetensors file, each written to a temp name and renamed."""

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from train.export.bundle import (HeadBundle, arch_from_config, cfg_from_stamp, dtype_name,
-                                 head_stamp, llama_layer_config, read_config, read_tensors,
+                                 head_stamp, has_architecture, llama_layer_config,
+                                 read_one_layer_config, read_tensors,
                                  refuse_unused, target_stamp, write_dir)
 from train.export.layer_names import layer_from_hf, layer_to_hf
 
@@ -46,14 +47,12 @@ def export(bundle: HeadBundle, out: Path, verifier: str | None = None) -> Path:
 
 
 def detect(cfg: dict[str, Any]) -> bool:
-    return any(a in ARCHITECTURES for a in cfg.get("architectures") or [])
+    return has_architecture(cfg, ARCHITECTURES)
 
 
 def read(path: Path) -> HeadBundle:
-    cfg = read_config(path)
+    cfg = read_one_layer_config(path, "eagle1")
     src = str(path)
-    if cfg.get("num_hidden_layers", 1) != 1:
-        raise ValueError(f"{src}: {cfg['num_hidden_layers']} draft layers; our eagle1 head has one")
     arch = arch_from_config(cfg, src)
     t = read_tensors(path)
     if "fc.weight" not in t:

@@ -1,0 +1,42 @@
+"""Statistics shared by the sampled-speculation tests: the target's exact joint law of the
+first two generated tokens, and a chi-square goodness-of-fit p-value."""
+from __future__ import annotations
+
+import torch
+
+from inference_eval.attention import BatchLayout
+from inference_eval.attention.torch_backend import TorchAttentionBackend
+from inference_eval.sampling import SamplingParams, SamplingTensors, processed_probs
+
+
+@torch.no_grad()
+def joint_first_two(model, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """[V, V] fp64: P(x_1 = a, x_2 = b) under the target with `params` (temperature, top-k,
+    top-p), computed exactly by one forward per possible first token."""
+    st = SamplingTensors.from_params([params])
+    be, n = TorchAttentionBackend(), len(prompt)
+    v = model.arch.vocab_size
+    p1 = processed_probs(model(torch.tensor(prompt), be.plan(BatchLayout.packed([n]))).logits[-1:], st)[0]
+    joint = torch.zeros(v, v, dtype=torch.float64)
+    for t1 in p1.nonzero().flatten().tolist():
+        lg = model(torch.tensor(prompt + [t1]), be.plan(BatchLayout.packed([n + 1]))).logits[-1:]
+        joint[t1] = p1[t1].double() * processed_probs(lg, st)[0].double()
+    return joint
+
+
+def first_two_counts(results, v: int) -> torch.Tensor:
+    counts = torch.zeros(v, v, dtype=torch.float64)
+    for r in results:
+        counts[r.token_ids[0], r.token_ids[1]] += 1
+    return counts
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of `counts` to `probs` over the cells with probs > 0."""
+    counts, probs = counts.flatten(), probs.flatten()
+    keep = probs > 0
+    exp = probs[keep] * counts.sum()
+    stat = ((counts[keep] - exp) ** 2 / exp).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         stat.double() / 2.0))
