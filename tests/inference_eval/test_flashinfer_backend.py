@@ -131,6 +131,7 @@ def test_check_dtypes_names_the_fix():
 
 HEAD_DIM, PAGE = 128, 16
 TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+WIDE = torch.tensor([[0, 1, 0, 1, 1, 0], [1, 0, 1, 0, 0, 1]], dtype=torch.bool)
 
 
 def _layouts() -> dict[str, BatchLayout]:
@@ -140,13 +141,17 @@ def _layouts() -> dict[str, BatchLayout]:
         "tree": BatchLayout([4, 2], [21, 30], [[3, 1], [0, 4]], PAGE, tree_masks=[TREE, None],
                             positions=torch.tensor([17, 18, 18, 19, 28, 29])),
         "packed": BatchLayout.packed([9, 1, 33]),
+        # Draft-tree construction: 2 frontier nodes over 6 masked keys (scratch + themselves).
+        "wide_tree": BatchLayout([2, 2], [26, 14], [[3, 1], [0]], PAGE,
+                                 tree_masks=[WIDE, WIDE[:, 2:]],
+                                 positions=torch.tensor([22, 22, 12, 12])),
     }
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not available(), reason="FlashInfer backend needs CUDA and flashinfer-python")
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
-@pytest.mark.parametrize("case", ["decode", "mixed", "tree", "packed"])
+@pytest.mark.parametrize("case", ["decode", "mixed", "tree", "packed", "wide_tree"])
 def test_flashinfer_matches_torch(case, heads, kv_heads):
     from inference_eval.attention.flashinfer_backend import FlashInferBackend
     from inference_eval.attention.torch_backend import TorchAttentionBackend
