@@ -85,6 +85,20 @@ def _rank_desc(scores: torch.Tensor, keep: int) -> torch.Tensor:
     return order
 
 
+def _top_children(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best entries of logprobs [..., V] by (value desc, token id asc) -> ([..., k],
+    [..., k]). topk plus a re-sort of the k winners; a full stable sort only when a tie
+    straddles the k-th place (topk would pick an arbitrary one of the tied ids)."""
+    vals, idx = logprobs.topk(k, dim=-1)
+    if bool(((logprobs >= vals[..., -1:]).sum(-1) > k).any()):
+        vals, idx = logprobs.sort(dim=-1, descending=True, stable=True)
+        return vals[..., :k], idx[..., :k]
+    idx = idx.sort(dim=-1).values  # id order, then a stable sort by value keeps it on ties
+    vals = logprobs.gather(-1, idx)
+    vals, order = vals.sort(dim=-1, descending=True, stable=True)
+    return vals, idx.gather(-1, order)
+
+
 def tree_init(root_tokens: torch.Tensor) -> tuple[DraftTree, torch.Tensor]:
     """root_tokens [B] int64 -> (a one-node tree per row, frontier [B, 1] = node 0)."""
     b, dev = root_tokens.shape[0], root_tokens.device
@@ -112,8 +126,7 @@ def tree_expand(tree: DraftTree, frontier: torch.Tensor, child_logprobs: torch.T
         raise ValueError(f"child_logprobs must be [B, F, V] = [{b}, {f}, V], "
                          f"got {tuple(child_logprobs.shape)}")
     k = min(topk, child_logprobs.shape[-1])
-    lp, tok = child_logprobs.float().sort(dim=-1, descending=True, stable=True)
-    lp, tok = lp[..., :k], tok[..., :k]  # [B, F, k]
+    lp, tok = _top_children(child_logprobs.float(), k)  # [B, F, k]
     parent = tree.gather(frontier)  # [B, F]
     ok = (parent.valid.unsqueeze(-1) & (lp > float("-inf"))).reshape(b, f * k)
     # Cumulative log-prob = log of the product of draft probs along the path (EAGLE-2's

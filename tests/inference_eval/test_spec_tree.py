@@ -351,3 +351,17 @@ def test_wrong_rules_are_caught():
     for mode, wrong_rule in [("topk", "without_replacement"), ("without_replacement", "iid")]:
         counts, joint, _, _, _ = simulate_tree(mode, wrong_rule)
         assert chi2_pvalue(counts, joint) < 1e-6, (mode, wrong_rule)
+
+
+def test_top_children_equal_a_full_stable_sort_with_and_without_ties():
+    from inference_eval.spec.tree import _top_children
+
+    g = torch.Generator().manual_seed(3)
+    for ties in (False, True):
+        lp = torch.randn(3, 4, 50, generator=g)
+        if ties:  # few distinct values: ties inside the top k and across its edge
+            lp = (lp * 2).round() / 2
+        for k in (1, 5, 50):
+            vals, idx = _top_children(lp, k)
+            ref_v, ref_i = lp.sort(dim=-1, descending=True, stable=True)
+            assert torch.equal(idx, ref_i[..., :k]) and torch.equal(vals, ref_v[..., :k])
