@@ -117,6 +117,12 @@ def target_stamp(bundle: HeadBundle) -> dict[str, Any]:
             "vocab_size": a.vocab_size, "num_layers": (t.get("arch") or {}).get("num_layers")}
 
 
+def stamps(bundle: HeadBundle, verifier: Any) -> dict[str, Any]:
+    """The config keys every export carries: which target (and verifier) and which head."""
+    return {"specheads_target": {**target_stamp(bundle), "verifier": verifier},
+            "specheads_head": head_stamp(bundle.cfg)}
+
+
 def head_stamp(cfg: HeadConfig) -> dict[str, Any]:
     """Our head config, so an export -> import round trip restores the training settings."""
     return asdict(cfg)

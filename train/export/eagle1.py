@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from train.export.bundle import (HeadBundle, arch_from_config, cfg_from_stamp, dtype_name,
-                                 head_stamp, has_architecture, llama_layer_config,
+                                 has_architecture, llama_layer_config,
                                  read_one_layer_config, read_tensors,
-                                 refuse_unused, target_stamp, write_dir)
+                                 refuse_unused, stamps, write_dir)
 from train.export.layer_names import layer_from_hf, layer_to_hf
 
 NAME = "eagle1"
@@ -41,8 +41,7 @@ def export(bundle: HeadBundle, out: Path, verifier: str | None = None) -> Path:
                **layer_to_hf(s, "layer.", LAYER_PREFIX, a)}
     config = llama_layer_config(a, architectures=["LlamaForCausalLMEagle"], bias=True,
                                 torch_dtype=dtype_name(tensors),
-                                specheads_target={**target_stamp(bundle), "verifier": verifier},
-                                specheads_head=head_stamp(bundle.cfg))
+                                **stamps(bundle, verifier))
     return write_dir(out, config, tensors)
 
 

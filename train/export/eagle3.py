@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from train.export.bundle import (HeadBundle, arch_from_config, cfg_from_stamp, dtype_name,
-                                 head_stamp, has_architecture, llama_layer_config,
+                                 has_architecture, llama_layer_config,
                                  read_one_layer_config, read_tensors,
-                                 refuse_unused, target_stamp, write_dir)
+                                 refuse_unused, stamps, write_dir)
 from train.export.layer_names import layer_from_hf, layer_to_hf
 
 NAME = "eagle3"
@@ -131,8 +131,7 @@ def export(bundle: HeadBundle, out: Path, verifier: str | None = None) -> Path:
         draft_vocab_size=tensors["lm_head.weight"].shape[0] if reduced else None,
         norm_before_residual=False, eagle_aux_hidden_state_layer_ids=aux,
         eagle_config={"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
-        specheads_target={**target_stamp(bundle), "verifier": verifier},
-        specheads_head=head_stamp(bundle.cfg))
+        **stamps(bundle, verifier))
     return write_dir(out, config, tensors)
 
 
