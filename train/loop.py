@@ -120,6 +120,7 @@ def train(cfg: TrainConfig) -> dict:
             val = evaluate(validator, full, parts, acc)
             if val is not None:
                 logger.log({"step": done, **{f"val/{k}": v for k, v in val.items()}})
+                bar.write(validation_line(done, val))
     bar.close()
     acc.wait_for_everyone()
     save_final_head(full, out, extra={"train": {"steps": tc.max_steps, "strategy": strategy,
@@ -145,3 +146,15 @@ def evaluate(validator: Validator | None, full: FullState, parts, acc) -> dict |
     metrics = validator(head, autocast=acc.autocast) if validator is not None else None
     acc.wait_for_everyone()
     return metrics
+
+
+def validation_line(step: int, val: dict) -> str:
+    """One console line: held-out teacher-forced agreement beside the engine's real τ."""
+    fmt = lambda xs: "[" + ", ".join("-" if x is None else f"{x:.3f}" for x in xs) + "]"  # noqa: E731
+    line = (f"validation @ step {step}: top-1 {fmt(val.get('top1_acc', []))}, "
+            f"E[sum min(p,q)] {fmt(val.get('exp_accept_sampled', []))}, "
+            f"expected τ {val.get('exp_tau_greedy', float('nan')):.3f}")
+    if "real_tau" in val:
+        line += (f"; real τ {val['real_tau']:.3f}, α {fmt(val['real_per_position_accept_rate'])}"
+                 f" on {val['real_num_prompts']} prompts")
+    return line

