@@ -13,6 +13,7 @@ from torch import nn
 
 from heads.config import HeadConfig
 from heads.frozen import FrozenHead, FrozenParts
+from inference_eval.model.linear import matmul_wt
 from inference_eval.model.rope import rope_inv_freq, rope_tables
 
 
@@ -53,9 +54,10 @@ class DraftHead(nn.Module):
         """d2t as absolute ids [V_draft] for reduced vocabularies; None = identity."""
         return None
 
-    def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """features [T, H] -> logits [T, V_draft] (target vocabulary unless reduced)."""
-        return features @ self.lm_head_weight.t().to(features.dtype)
+    def logits(self, features: torch.Tensor, cpu_blas: bool = False) -> torch.Tensor:
+        """features [T, H] -> logits [T, V_draft] (target vocabulary unless reduced).
+        cpu_blas: the engine's OpenBLAS path for inference on CPU (inference_eval.model.linear)."""
+        return matmul_wt(features, self.lm_head_weight.to(features.dtype), cpu_blas)
 
     def forward(self, batch, chunk: int = 1024, naive: bool = False):
         """Training objective over a packed batch -> (loss, stats [K, 4]); see heads/objective.

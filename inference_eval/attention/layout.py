@@ -79,7 +79,16 @@ class BatchLayout:
 
     def slot_mapping(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[T] int64 flat cache slot (page * page_size + offset) of every new token."""
+        # Plain ints: a decode step maps one index per request, and building each request's
+        # page-table tensor (page_slots) would cost O(pages) per step on the hot path.
         ps, slots = self.page_size, []
         for table, r in zip(self.block_tables, self.cache_indices()):
             slots.extend(table[i // ps] * ps + i % ps for i in r)
         return torch.tensor(slots, dtype=torch.long, device=device)
+
+
+def page_slots(table: list[int], index: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Cache indices index [M] int64 of one request (its page ids `table`, in order) ->
+    flat cache slots [M] = page * page_size + offset."""
+    pages = torch.tensor(table, dtype=torch.long)[index // page_size]
+    return pages * page_size + index % page_size

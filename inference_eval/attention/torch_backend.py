@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference_eval.attention.layout import BatchLayout
+from inference_eval.attention.layout import BatchLayout, page_slots
 
 
 class TorchAttentionPlan:
@@ -28,12 +28,9 @@ class TorchAttentionPlan:
         self.is_causal_only = False
         if self.cached:
             self.slots = layout.slot_mapping(device)
-            ps = layout.page_size
             gather = torch.zeros(b, self.max_kv, dtype=torch.long)
             for bi, (table, kv) in enumerate(zip(layout.block_tables, kv_lens)):
-                idx = torch.arange(kv)
-                pages = torch.tensor(table, dtype=torch.long)[idx // ps]
-                gather[bi, :kv] = pages * ps + idx % ps
+                gather[bi, :kv] = page_slots(table, torch.arange(kv), layout.page_size)
             self.kv_gather = gather.view(-1).to(device)
         else:
             self.kv_gather = None

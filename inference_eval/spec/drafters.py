@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 
 from heads.base import DraftHead
-from inference_eval.attention import BatchLayout
 from inference_eval.kv_cache import KVCache
-from inference_eval.model.linear import matmul_wt, set_cpu_blas
+from inference_eval.model.linear import set_cpu_blas
 from inference_eval.model.transformer import StepContext, TransformerLM
 
 
@@ -39,8 +38,7 @@ class HeadDrafter:
         nxt, feats = self.head.step(tokens, hidden_in, ctx)
         if logit_rows is not None:
             feats = feats.index_select(0, logit_rows)
-        # = head.logits(feats), through the engine's CPU BLAS path when it has one on.
-        logits = matmul_wt(feats, self.head.lm_head_weight, self.cpu_blas).float()
+        logits = self.head.logits(feats, self.cpu_blas).float()
         if self.d2t is not None:  # reduced vocabulary: tokens outside it get -inf
             full = logits.new_full((logits.shape[0], self.head.arch.vocab_size), float("-inf"))
             logits = full.index_copy(1, self.d2t, logits)
@@ -86,7 +84,3 @@ class LLMDrafter:
     def drop(self, rid: int) -> None:
         self.cached.pop(rid, None)
 
-
-def single_token_layout(kv_lens: list[int], tables: list[list[int]], page_size: int) -> BatchLayout:
-    return BatchLayout(q_lens=[1] * len(kv_lens), kv_lens=kv_lens, block_tables=tables,
-                       page_size=page_size)

@@ -65,6 +65,37 @@ class SpecEngine(LLMEngine):
             return True
         return False
 
+    @staticmethod
+    def _per_request(logits: torch.Tensor, cu: list[int], width: int) -> torch.Tensor:
+        """Packed verify logits [T, V] -> [B, width, V], request i's rows first, zero padded."""
+        out = logits.new_zeros(len(cu) - 1, width, logits.shape[-1])
+        for i in range(len(cu) - 1):
+            out[i, :cu[i + 1] - cu[i]] = logits[cu[i]:cu[i + 1]]
+        return out
+
+    def _target_probs(self, tgt: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """[B, N, V] target logits -> processed probabilities, each request's settings."""
+        b, width, v = tgt.shape
+        counts = torch.full((b,), width, device=self.device)
+        return processed_probs(tgt.view(-1, v), st.repeat_interleave(counts)).view(b, width, v)
+
+    def _emit(self, reqs: list[Request], ks: list[int], acc: list[int], emit: list[list[int]],
+              n: list[int], done: list[Request]) -> list[int]:
+        """Record a verified round (ks[i] proposed, acc[i] accepted, emit[i][:acc[i]+1] new
+        tokens, target cache valid to n[i] + acc[i]); returns the indices still running."""
+        keep = []
+        for i, r in enumerate(reqs):
+            r.proposed.append(ks[i])
+            r.accepted.append(acc[i])
+            for tok in emit[i][:acc[i] + 1]:
+                r.output_ids.append(tok)
+                if r.check_stop(self.eos_ids):
+                    break
+            r.num_cached = n[i] + acc[i] + 1
+            if not self._finish_or_keep(r, done):
+                keep.append(i)
+        return keep
+
     # ---- the step -------------------------------------------------------------------------
     def _step(self) -> list[Request]:
         batch = self.scheduler.schedule()
@@ -127,18 +158,16 @@ class SpecEngine(LLMEngine):
                          self.cache, aux_layers=self.drafter.aux_layers)
         b, kmax, v = len(reqs), max(max(ks), 1), out.logits.shape[-1]
         cu = layout.cu_q()
-        tgt = out.logits.new_zeros(b, kmax + 1, v)
+        tgt = self._per_request(out.logits, cu, kmax + 1)
         dtok = torch.zeros(b, kmax, dtype=torch.long, device=self.device)
         for i, (k, d) in enumerate(zip(ks, drafts)):
-            tgt[i, :k + 1] = out.logits[cu[i]:cu[i + 1]]
             if k:
                 dtok[i, :k] = torch.tensor(d, device=self.device)
         num = torch.tensor(ks, device=self.device)
         if greedy:
             acc, emit = verify_greedy(dtok, tgt, num)
         else:
-            p = processed_probs(tgt.view(-1, v), st.repeat_interleave(
-                torch.full((b,), kmax + 1, device=self.device))).view(b, kmax + 1, v)
+            p = self._target_probs(tgt, st)
             q = torch.zeros(b, kmax, v, device=self.device)
             for i, rows in enumerate(qs):
                 if rows:
@@ -146,18 +175,7 @@ class SpecEngine(LLMEngine):
             acc, emit = verify_sampled(dtok, q, p, num, self.generator)
         t0 = self._tick("verify", t0)
         acc, emit = acc.tolist(), emit.tolist()
-        keep = []
-        for i, r in enumerate(reqs):
-            a = acc[i]
-            r.proposed.append(ks[i])
-            r.accepted.append(a)
-            for tok in emit[i][:a + 1]:
-                r.output_ids.append(tok)
-                if r.check_stop(self.eos_ids):
-                    break
-            r.num_cached = n[i] + a + 1
-            if not self._finish_or_keep(r, done):
-                keep.append(i)
+        keep = self._emit(reqs, ks, acc, emit, n, done)
         self._catch_up([reqs[i] for i in keep], [acc[i] for i in keep], [emit[i] for i in keep],
                        [n[i] for i in keep], out, [range(cu[i], cu[i] + acc[i] + 1) for i in keep])
         self._tick("catch_up", t0)

@@ -35,6 +35,7 @@ from inference_eval.sampling import sample_from_probs
 from inference_eval.spec.chain import accept_mask, residual_probs
 
 CHILD_MODES = ("topk", "iid", "without_replacement")
+TREE_FIELDS = ("tokens", "parents", "depth", "valid", "scores")
 
 
 @dataclass
@@ -71,8 +72,7 @@ class DraftTree:
 
 
 def _cat(a: DraftTree, b: DraftTree) -> DraftTree:
-    return DraftTree(*(torch.cat([getattr(a, f), getattr(b, f)], dim=1)
-                       for f in ("tokens", "parents", "depth", "valid", "scores")))
+    return DraftTree(*(torch.cat([getattr(a, f), getattr(b, f)], dim=1) for f in TREE_FIELDS))
 
 
 def _rank_desc(scores: torch.Tensor, keep: int) -> torch.Tensor:

@@ -26,12 +26,13 @@ import time
 import torch
 
 from inference_eval.attention import BatchLayout
+from inference_eval.attention.layout import page_slots
 from inference_eval.config import EngineConfig
 from inference_eval.request import Request
-from inference_eval.sampling import SamplingTensors, processed_probs
+from inference_eval.sampling import SamplingTensors
 from inference_eval.spec.drafters import HeadDrafter
 from inference_eval.spec.engine import SpecEngine
-from inference_eval.spec.tree import (DraftTree, tree_attention_mask, tree_emitted_tokens,
+from inference_eval.spec.tree import (TREE_FIELDS, DraftTree, tree_attention_mask, tree_emitted_tokens,
                                       tree_expand, tree_init, tree_limit, tree_prune,
                                       verify_tree_greedy, verify_tree_sampled)
 
@@ -52,12 +53,10 @@ class TreeSpecEngine(SpecEngine):
 
     def _slots(self, reqs: list[Request], index: torch.Tensor) -> torch.Tensor:
         """Cache indices index [B, M] (-1 = none) -> flat slots [B, M] of each request's pages."""
-        ps = self.cfg.page_size
         out = torch.full_like(index, -1)
         for b, r in enumerate(reqs):
             ok = index[b] >= 0
-            pages = torch.tensor(r.pages, dtype=torch.long)[index[b][ok] // ps]
-            out[b, ok] = pages * ps + index[b][ok] % ps
+            out[b, ok] = page_slots(r.pages, index[b][ok].cpu(), self.cfg.page_size).to(out.device)
         return out
 
     # ---- build ----------------------------------------------------------------------------
@@ -65,12 +64,9 @@ class TreeSpecEngine(SpecEngine):
         """A pruned tree [B, total+1] per request, limited to depth ks[b] (0: root only)."""
         dev, b_all, size = self.device, len(reqs), self.total + 1
         roots = torch.tensor([r.token_ids[-1] for r in reqs], device=dev)
-        full = DraftTree(torch.zeros(b_all, size, dtype=torch.long, device=dev),
-                         torch.full((b_all, size), -1, dtype=torch.long, device=dev),
-                         torch.zeros(b_all, size, dtype=torch.long, device=dev),
-                         torch.zeros(b_all, size, dtype=torch.bool, device=dev),
-                         torch.full((b_all, size), float("-inf"), device=dev))
-        full.tokens[:, 0], full.valid[:, 0], full.scores[:, 0] = roots, True, 0.0
+        root_only = torch.full((b_all, size), -1, dtype=torch.long, device=dev)
+        root_only[:, 0] = 0
+        full = tree_init(roots)[0].gather(root_only)  # root-only trees, padded to `size`
         live = [i for i in range(b_all) if ks[i] > 0]
         if not live:
             return full
@@ -104,7 +100,7 @@ class TreeSpecEngine(SpecEngine):
                                          self.topk, f)
         tree = tree_limit(tree_prune(tree, size), torch.tensor([ks[i] for i in live], device=dev))
         idx = torch.tensor(live, device=dev)
-        for name in ("tokens", "parents", "depth", "valid", "scores"):
+        for name in TREE_FIELDS:
             getattr(full, name)[idx] = getattr(tree, name)
         return full
 
@@ -145,16 +141,12 @@ class TreeSpecEngine(SpecEngine):
         ids = torch.cat([tree.tokens[b, :m[b]] for b in range(len(reqs))])
         out = self.model(ids, self.backend.plan(layout), self.cache, aux_layers=self.drafter.aux_layers)
         cu = layout.cu_q()
-        v = out.logits.shape[-1]
-        tgt = out.logits.new_zeros(len(reqs), tree.num_nodes, v)
-        for b in range(len(reqs)):
-            tgt[b, :m[b]] = out.logits[cu[b]:cu[b + 1]]
+        tgt = self._per_request(out.logits, cu, tree.num_nodes)
         if st.all_greedy:
             path, acc, bonus = verify_tree_greedy(tree, tgt)
         else:
-            p = processed_probs(tgt.view(-1, v), st.repeat_interleave(
-                torch.full((len(reqs),), tree.num_nodes, device=dev))).view(len(reqs), -1, v)
-            path, acc, bonus = verify_tree_sampled(tree, None, p, self.generator, children="topk")
+            path, acc, bonus = verify_tree_sampled(tree, None, self._target_probs(tgt, st),
+                                                   self.generator, children="topk")
         emit = tree_emitted_tokens(tree, path, acc, bonus).tolist()
         # Compact: the accepted path's K/V from cache index n + node to n + i.
         depth_idx = torch.arange(path.shape[1], device=dev)
@@ -165,17 +157,7 @@ class TreeSpecEngine(SpecEngine):
         self.cache.copy_slots(src[moved], dst[moved])
         t0 = self._tick("verify", t0)
         acc, path = acc.tolist(), path.tolist()
-        keep = []
-        for i, r in enumerate(reqs):
-            r.proposed.append(ks[i])
-            r.accepted.append(acc[i])
-            for tok in emit[i][:acc[i] + 1]:
-                r.output_ids.append(tok)
-                if r.check_stop(self.eos_ids):
-                    break
-            r.num_cached = n[i] + acc[i] + 1
-            if not self._finish_or_keep(r, done):
-                keep.append(i)
+        keep = self._emit(reqs, ks, acc, emit, n, done)
         self._catch_up([reqs[i] for i in keep], [acc[i] for i in keep], [emit[i] for i in keep],
                        [n[i] for i in keep], out,
                        [[cu[i] + node for node in path[i][:acc[i] + 1]] for i in keep])
