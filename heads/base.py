@@ -13,8 +13,8 @@ from torch import nn
 
 from heads.config import HeadConfig
 from heads.frozen import FrozenHead, FrozenParts
-from inference_eval.model.linear import matmul_wt
-from inference_eval.model.rope import rope_inv_freq, rope_tables
+from inference_eval.engine.model.linear import matmul_wt
+from inference_eval.engine.model.rope import rope_inv_freq, rope_tables
 
 
 class DraftHead(nn.Module):
@@ -56,7 +56,7 @@ class DraftHead(nn.Module):
 
     def logits(self, features: torch.Tensor, cpu_blas: bool = False) -> torch.Tensor:
         """features [T, H] -> logits [T, V_draft] (target vocabulary unless reduced).
-        cpu_blas: the engine's OpenBLAS path for inference on CPU (inference_eval.model.linear)."""
+        cpu_blas: the engine's OpenBLAS path for inference on CPU (inference_eval.engine.model.linear)."""
         return matmul_wt(features, self.lm_head_weight.to(features.dtype), cpu_blas)
 
     def forward(self, batch, chunk: int = 1024, naive: bool = False):

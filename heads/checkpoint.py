@@ -42,8 +42,8 @@ def read_head_config(path: str | Path) -> dict:
     cfg = json.loads(p.read_text())
     if cfg.get("format") != FORMAT:
         # vLLM/SGLang/EAGLE/DeepSeek-MTP directories: detected by their config keys (lazy
-        # import: train.export builds on heads).
-        from train.export import foreign_head_config
+        # import: the formats build on this module).
+        from heads.formats import foreign_head_config
 
         foreign = foreign_head_config(Path(path), cfg)
         if foreign is None:
@@ -62,7 +62,7 @@ def load_head(path: str | Path, parts: FrozenParts, expect_type: str | None = No
         raise ValueError(f"checkpoint {path} holds a {meta['head']['type']!r} head, but head.type="
                          f"{expect_type!r} was asked for")
     if meta["format"] != FORMAT:
-        from train.export import import_head
+        from heads.formats import import_head
 
         return import_head(path, parts)
     cfg = HeadConfig(**meta["head"])

@@ -6,6 +6,13 @@ from dataclasses import dataclass, field
 HEAD_TYPES = ("mtp", "eagle1", "eagle3", "medusa")
 
 
+def eagle3_aux_layers(num_layers: int) -> list[int]:
+    """The auxiliary target layers EAGLE-3 fuses by default (low, middle, high: 1, L/2-1, L-4,
+    the choice of the EAGLE-3 reference and the engines that serve it). Clamped into range so
+    tiny test models (L < 8) still get valid, distinct ids."""
+    return sorted({min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4)})
+
+
 @dataclass
 class HeadConfig:
     """type: mtp (default, RMSNorm-augmented DeepSeek-V3 layout), eagle1, eagle3, medusa.

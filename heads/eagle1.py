@@ -11,8 +11,8 @@ import torch
 from heads.base import DraftHead
 from heads.config import HeadConfig
 from heads.frozen import FrozenParts
-from inference_eval.model.layers import DecoderLayer
-from inference_eval.model.linear import Linear
+from inference_eval.engine.model.layers import DecoderLayer
+from inference_eval.engine.model.linear import Linear
 
 
 class Eagle1Head(DraftHead):

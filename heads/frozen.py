@@ -15,9 +15,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from inference_eval.model.arch import ModelArch
-from inference_eval.model.layers import RMSNorm
-from inference_eval.target import (TargetConfig, frozen_hash, load_target, resolve_path,
+from inference_eval.engine.model.arch import ModelArch
+from inference_eval.engine.model.layers import RMSNorm
+from inference_eval.engine.target import (TargetConfig, frozen_hash, load_target, resolve_path,
                                    target_hf_dir)
 
 _NEEDED = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm",

@@ -12,7 +12,7 @@ from torch import nn
 from heads.base import DraftHead
 from heads.config import HeadConfig
 from heads.frozen import FrozenParts
-from inference_eval.model.linear import Linear
+from inference_eval.engine.model.linear import Linear
 
 
 class MedusaHead(DraftHead):

@@ -1,2 +1,2 @@
-"""The inference engine: paged KV cache, scheduler, attention backends, sampling, and (later)
-speculative decoding with acceptance reports."""
+"""The engine (`engine/`: target model, KV pages, scheduler, attention backends, speculative
+schemes) and what measures heads with it (`evaluation/`: prompts, runs, metrics, reports)."""

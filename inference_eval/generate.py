@@ -11,11 +11,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from inference_eval.config import EngineConfig
-from inference_eval.engine import LLMEngine
+from inference_eval.engine.config import EngineConfig
+from inference_eval.engine.llm_engine import LLMEngine
 from inference_eval.hydra_app import run_cli
-from inference_eval.sampling import SamplingParams
-from inference_eval.target import TargetConfig, load_target
+from inference_eval.engine.sampling import SamplingParams
+from inference_eval.engine.target import TargetConfig, load_target
 
 
 @dataclass

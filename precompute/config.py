@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from inference_eval.config import EngineConfig
-from inference_eval.target import TargetConfig
+from heads.config import eagle3_aux_layers
+from inference_eval.engine.config import EngineConfig
+from inference_eval.engine.target import TargetConfig
 from precompute.data import DataConfig
 
 HIDDEN_DTYPES = ("bfloat16", "float16", "float32", "fp8")
@@ -43,9 +44,7 @@ class PrecomputeConfig:
         if spec in ("none", ""):
             return []
         if spec == "eagle3":
-            # Clamped into range so tiny test models (L < 8) still get valid, distinct ids.
-            return sorted({min(max(i, 0), num_layers - 1)
-                           for i in (1, num_layers // 2 - 1, num_layers - 4)})
+            return eagle3_aux_layers(num_layers)
         try:
             ids = [int(x) for x in spec.split(",")]
         except ValueError:

@@ -11,8 +11,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from inference_eval.attention import AttentionBackend, BatchLayout
-from inference_eval.model.transformer import TransformerLM
+from inference_eval.engine.attention import AttentionBackend, BatchLayout
+from inference_eval.engine.model.transformer import TransformerLM
 from precompute.data import TokenizedRecord
 from precompute.plan import plan_batches
 from precompute.shard_io import Shard, quantize_fp8

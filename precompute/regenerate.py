@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from inference_eval.engine import LLMEngine
-from inference_eval.sampling import SamplingParams
+from inference_eval.engine.llm_engine import LLMEngine
+from inference_eval.engine.sampling import SamplingParams
 from precompute.data import Conversation, DataConfig, Turn
 
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from inference_eval.attention import make_backend
-from inference_eval.engine import LLMEngine
-from inference_eval.model.linear import set_cpu_blas
-from inference_eval.target import load_target
+from inference_eval.engine.attention import make_backend
+from inference_eval.engine.llm_engine import LLMEngine
+from inference_eval.engine.model.linear import set_cpu_blas
+from inference_eval.engine.target import load_target
 from precompute.config import PrecomputeConfig
 from precompute.data import load_conversations, tokenize_conversations, write_rejects
 from precompute.dump import build_shard
@@ -192,7 +192,7 @@ def _print_summary(out: Path, manifest: Manifest, result, kept: int, secs: float
 
 def _dry_run(cfg: PrecomputeConfig, result, rank: int) -> None:
     """Token and byte counts from the tokenizer and the architecture alone (no weights)."""
-    from inference_eval.target import load_tokenizer
+    from inference_eval.engine.target import load_tokenizer
 
     tok = load_tokenizer(cfg.target)
     if tok is None:
@@ -221,13 +221,13 @@ def _dry_run(cfg: PrecomputeConfig, result, rank: int) -> None:
 
 
 def _target_arch(cfg: PrecomputeConfig):
-    from inference_eval.model.arch import ModelArch
+    from inference_eval.engine.model.arch import ModelArch
 
     if cfg.target.source == "random":
         return ModelArch(**cfg.target.arch)
     from transformers import AutoConfig
 
-    from inference_eval.target import target_hf_dir
+    from inference_eval.engine.target import target_hf_dir
 
     return ModelArch.from_hf_config(AutoConfig.from_pretrained(target_hf_dir(cfg.target)))
 

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from inference_eval.config import EngineConfig
-from inference_eval.engine import LLMEngine
-from inference_eval.sampling import SamplingParams
-from inference_eval.target import TargetConfig, load_target
+from inference_eval.engine.config import EngineConfig
+from inference_eval.engine.llm_engine import LLMEngine
+from inference_eval.engine.sampling import SamplingParams
+from inference_eval.engine.target import TargetConfig, load_target
 
 PROMPTS = [
     "Write a python function that checks whether a number is prime.",

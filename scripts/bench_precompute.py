@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 import precompute.dump as dump
-from inference_eval.attention import make_backend
-from inference_eval.model.linear import set_cpu_blas
-from inference_eval.target import TargetConfig, load_target
+from inference_eval.engine.attention import make_backend
+from inference_eval.engine.model.linear import set_cpu_blas
+from inference_eval.engine.target import TargetConfig, load_target
 from precompute.data import DataConfig, load_conversations, tokenize_conversations
 from precompute.plan import plan_batches
 from precompute.shard_io import write_shard

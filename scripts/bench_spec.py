@@ -1,7 +1,7 @@
 """Speculative decoding on SmolLM2: what a trained head is worth, measured with the engine.
 
 For each (batch size, temperature) cell it runs the eval CLI's code path once
-(`inference_eval.evaluate.main`): the draft=none autoregressive baseline first, then chain
+(`inference_eval.evaluation.evaluate.main`): the draft=none autoregressive baseline first, then chain
 K=2, chain K=4 and an EAGLE-2 tree with the same head, on the same prompts, max new tokens,
 batch size, sampling settings, dtype and threads. So every speedup is a ratio of two
 measurements taken in the same process minutes apart, and every run's greedy output is
@@ -20,8 +20,8 @@ import argparse
 import json
 from pathlib import Path
 
-from inference_eval import evaluate
-from inference_eval.eval_config import EvalConfig
+from inference_eval.evaluation import evaluate
+from inference_eval.evaluation.config import EvalConfig
 from inference_eval.hydra_app import compose
 
 

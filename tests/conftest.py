@@ -28,7 +28,7 @@ def smollm2():
     """The embedded default target through our loader: (LoadedTarget, HF reference model)."""
     from transformers import AutoModelForCausalLM
 
-    from inference_eval.target import TargetConfig, load_target
+    from inference_eval.engine.target import TargetConfig, load_target
 
     loaded = load_target(TargetConfig())
     hf = AutoModelForCausalLM.from_pretrained(loaded.hf_dir, dtype=torch.float32).eval()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from inference_eval.attention import BatchLayout
-from inference_eval.attention.torch_backend import TorchAttentionBackend
-from inference_eval.sampling import SamplingParams, SamplingTensors, processed_probs
+from inference_eval.engine.attention import BatchLayout
+from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
+from inference_eval.engine.sampling import SamplingParams, SamplingTensors, processed_probs
 
 
 @torch.no_grad()

@@ -4,17 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from heads.config import HeadConfig
-from inference_eval.config import EngineConfig
-from inference_eval.target import TargetConfig
+from inference_eval.engine.config import EngineConfig
+from inference_eval.engine.target import TargetConfig
+from precompute.data.config import HELDOUT_SKIP
 
 STRATEGIES = ("auto", "none", "ddp", "fsdp", "deepspeed")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 WANDB_MODES = ("offline", "online", "disabled")
 DEVICES = ("auto", "cpu", "cuda")
-
-# ShareGPT records from this index on are never used by the default training split; the
-# validation set and the `sharegpt_heldout` eval prompts are drawn from there.
-HELDOUT_SKIP = 17000
 
 
 @dataclass

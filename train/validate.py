@@ -21,11 +21,11 @@ from heads.base import DraftHead
 from heads.checkpoint import save_head
 from heads.objective import summarize
 from heads.rollout import PackedBatch
-from inference_eval.attention import BatchLayout
-from inference_eval.attention.torch_backend import TorchAttentionBackend
-from inference_eval.kv_cache import KVCache
-from inference_eval.model.transformer import StepContext
-from inference_eval.target import load_target
+from inference_eval.engine.attention import BatchLayout
+from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
+from inference_eval.engine.kv_cache import KVCache
+from inference_eval.engine.model.transformer import StepContext
+from inference_eval.engine.target import load_target
 from precompute.data import DataConfig, load_conversations, tokenize_conversations
 from train.config import TrainConfig
 
@@ -114,11 +114,11 @@ class Validator:
     def _real_tau(self, head: DraftHead) -> dict:
         """Greedy chain speculation with the engine the eval CLI builds (inference_eval's
         build_engine): the head goes through a head checkpoint, as it would be served."""
-        from inference_eval.eval_config import DraftConfig
-        from inference_eval.evaluate import build_engine
-        from inference_eval.metrics import TurnOutput
-        from inference_eval.metrics import summarize as summarize_outputs
-        from inference_eval.sampling import SamplingParams
+        from inference_eval.evaluation.config import DraftConfig
+        from inference_eval.evaluation.engines import build_engine
+        from inference_eval.evaluation.metrics import TurnOutput
+        from inference_eval.evaluation.metrics import summarize as summarize_outputs
+        from inference_eval.engine.sampling import SamplingParams
 
         k = head.cfg.num_steps
         with tempfile.TemporaryDirectory(prefix="specheads_val_head_") as tmp:

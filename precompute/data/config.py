@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SOURCES = ("sharegpt", "jsonl", "hf")
+# ShareGPT records from here on are held out: validation and the sharegpt_heldout prompts
+# read them, the default training slices (limit < 17,000) never reach them.
+HELDOUT_SKIP = 17000
 _MISSING = "???"  # OmegaConf's mandatory marker; checked again once the value is filled in
 
 

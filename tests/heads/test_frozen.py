@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import heads.frozen as frozen
-from inference_eval.target import TargetConfig, load_target
+from inference_eval.engine.target import TargetConfig, load_target
 from tiny_hf_models import make_tiny_hf
 
 NEEDED = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")

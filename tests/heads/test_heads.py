@@ -11,7 +11,7 @@ from heads.frozen import load_frozen
 from heads.loss import soft_ce, soft_ce_reference
 from heads.registry import build_head
 from heads.rollout import PackedBatch, rollout, step_indices
-from inference_eval.target import TargetConfig
+from inference_eval.engine.target import TargetConfig
 
 TINY = TargetConfig(name="tiny-test", source="random", path=None, seed=3, arch=dict(
     vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,

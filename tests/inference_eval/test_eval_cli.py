@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from inference_eval import evaluate
-from inference_eval.engine import LLMEngine
-from inference_eval.eval_config import DraftConfig, EvalConfig
+from inference_eval.evaluation import engines, evaluate
+from inference_eval.engine.llm_engine import LLMEngine
+from inference_eval.evaluation.config import DraftConfig, EvalConfig
 from inference_eval.hydra_app import CONF_DIR, compose
-from inference_eval.report import PLOTS
-from inference_eval.target import TargetConfig
+from inference_eval.evaluation.report import PLOTS
+from inference_eval.engine.target import TargetConfig
 
 REPO = Path(__file__).resolve().parents[2]
 DRAFTS = sorted(p.stem for p in (CONF_DIR / "draft").glob("*.yaml"))
@@ -115,12 +115,15 @@ def test_empty_prompt_file_fails_before_loading_target(tmp_path, monkeypatch):
         evaluate.main(cfg)
 
 
-def test_missing_spec_engine_is_a_clear_error_before_the_baseline(monkeypatch, prompt_file):
-    monkeypatch.setitem(sys.modules, "inference_eval.spec.engine", None)  # import -> ImportError
+def test_missing_head_checkpoint_is_a_clear_error_before_the_baseline(monkeypatch, prompt_file,
+                                                                      tmp_path):
+    """A draft that cannot load fails before the target loads and the baseline runs (which
+    can take an hour), naming the checkpoint."""
     monkeypatch.setattr(evaluate, "load_target", lambda *a, **k: pytest.fail("target loaded"))
-    cfg = compose("eval", EvalConfig, [*FAST, "draft=head", "draft.checkpoint=x",
+    missing = tmp_path / "no_such_head"
+    cfg = compose("eval", EvalConfig, [*FAST, "draft=head", f"draft.checkpoint={missing}",
                                        "prompts=jsonl", f"prompts.path={prompt_file}"])
-    with pytest.raises(RuntimeError, match="not available yet"):
+    with pytest.raises(FileNotFoundError, match="no_such_head"):
         evaluate.main(cfg)
 
 
@@ -151,7 +154,8 @@ class FakeSpecEngine:
 def test_several_drafts_one_report_and_a_failing_prompt(tmp_path, prompt_file, monkeypatch):
     with open(prompt_file, "a") as f:
         f.write(json.dumps({"id": "boom", "prompt": "EXPLODE please"}) + "\n")
-    monkeypatch.setattr(evaluate, "spec_factory", lambda: FakeSpecEngine)
+    monkeypatch.setattr(engines, "build_spec_engine", FakeSpecEngine)
+    monkeypatch.setattr(evaluate, "read_head_config", lambda path: {})  # no checkpoint is read
     FakeSpecEngine.seen = []
     cfg = compose("eval", EvalConfig, [
         *FAST, "prompts=jsonl", f"prompts.path={prompt_file}", f"output_dir={tmp_path / 'o'}",
@@ -180,9 +184,9 @@ def test_several_drafts_one_report_and_a_failing_prompt(tmp_path, prompt_file, m
 
 
 def test_real_spec_engine_self_draft_is_lossless(tmp_path, prompt_file):
-    """draft=llm with the target itself as the draft, through spec.engine.make_engine: every
+    """draft=llm with the target itself as the draft, through spec.engine.build_engine: every
     draft is accepted and greedy output equals the baseline's."""
-    pytest.importorskip("inference_eval.spec.engine")
+    pytest.importorskip("inference_eval.engine.speculative.spec_engine")
     cfg = compose("eval", EvalConfig, [
         *FAST, "draft=llm", "draft.llm=${target}", "draft.name=self", "draft.num_draft=3",
         "prompts=jsonl", f"prompts.path={prompt_file}", f"output_dir={tmp_path}",
@@ -200,8 +204,8 @@ def test_head_chain_and_tree_side_by_side(tmp_path, prompt_file):
     from heads.checkpoint import save_head
     from heads.config import HeadConfig
     from heads.registry import build_head
-    from inference_eval.spec.engine import frozen_parts_of
-    from inference_eval.target import load_target
+    from inference_eval.evaluation.engines import frozen_parts_of
+    from inference_eval.engine.target import load_target
 
     base = compose("eval", EvalConfig, [*FAST, "prompts=jsonl", f"prompts.path={prompt_file}"])
     save_head(build_head(HeadConfig(type="mtp"), frozen_parts_of(load_target(base.target)), seed=1),

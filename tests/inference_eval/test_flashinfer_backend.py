@@ -6,11 +6,11 @@ import copy
 import pytest
 import torch
 
-from inference_eval.attention.flashinfer_backend import (
+from inference_eval.engine.attention.flashinfer_backend import (
     available, check_dtypes, paged_kv_metadata, tree_custom_mask)
-from inference_eval.attention.layout import BatchLayout
-from inference_eval.attention.torch_backend import TorchAttentionPlan
-from inference_eval.kv_cache import KVCache
+from inference_eval.engine.attention.layout import BatchLayout
+from inference_eval.engine.attention.torch_backend import TorchAttentionPlan
+from inference_eval.engine.kv_cache import KVCache
 
 
 def _as_lists(meta: dict[str, torch.Tensor]) -> dict[str, list[int]]:
@@ -153,8 +153,8 @@ def _layouts() -> dict[str, BatchLayout]:
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
 @pytest.mark.parametrize("case", ["decode", "mixed", "tree", "packed", "wide_tree"])
 def test_flashinfer_matches_torch(case, heads, kv_heads):
-    from inference_eval.attention.flashinfer_backend import FlashInferBackend
-    from inference_eval.attention.torch_backend import TorchAttentionBackend
+    from inference_eval.engine.attention.flashinfer_backend import FlashInferBackend
+    from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     layout = _layouts()[case]
@@ -187,8 +187,8 @@ def test_flashinfer_matches_torch(case, heads, kv_heads):
 @pytest.mark.skipif(not available(), reason="FlashInfer backend needs CUDA and flashinfer-python")
 def test_flashinfer_interleaved_plans_replan():
     """Two live decode plans on one backend: each attend still sees its own metadata."""
-    from inference_eval.attention.flashinfer_backend import FlashInferBackend
-    from inference_eval.attention.torch_backend import TorchAttentionBackend
+    from inference_eval.engine.attention.flashinfer_backend import FlashInferBackend
+    from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     a = BatchLayout([1, 1], [5, 30], [[0], [1, 2]], PAGE)

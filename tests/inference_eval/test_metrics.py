@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from inference_eval.metrics import (
+from inference_eval.evaluation.metrics import (
     TurnOutput,
     accept_len_hist,
     by_category,

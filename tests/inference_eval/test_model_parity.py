@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from tiny_hf_models import FAMILIES
-from inference_eval.attention import BatchLayout
-from inference_eval.attention.torch_backend import TorchAttentionBackend
-from inference_eval.kv_cache import KVCache
-from inference_eval.model.arch import ModelArch, UnsupportedArchitectureError
-from inference_eval.target import TargetConfig, load_target
+from inference_eval.engine.attention import BatchLayout
+from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
+from inference_eval.engine.kv_cache import KVCache
+from inference_eval.engine.model.arch import ModelArch, UnsupportedArchitectureError
+from inference_eval.engine.target import TargetConfig, load_target
 
 
 def _hf_last_layer_prenorm(hf, ids: torch.Tensor) -> torch.Tensor:

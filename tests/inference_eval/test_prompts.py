@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from inference_eval.prompts import (
+from inference_eval.evaluation.prompts import (
     PromptItem,
     PromptsConfig,
     load_humaneval,
@@ -44,7 +44,7 @@ def test_humaneval_from_a_given_gz_file(tmp_path):
 
 def test_sharegpt_heldout_are_user_turns_from_heldout_skip():
     from precompute.data import DataConfig, load_conversations
-    from train.config import HELDOUT_SKIP
+    from precompute.data.config import HELDOUT_SKIP
 
     items = load_prompts(PromptsConfig(name="sharegpt_heldout", limit=3, max_turns=2))
     convs = load_conversations(DataConfig(source="sharegpt", skip=HELDOUT_SKIP, limit=3))

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from inference_eval.metrics import TurnOutput
-from inference_eval.report import PLOTS, RunResult, build_report, write_report
+from inference_eval.evaluation.metrics import TurnOutput
+from inference_eval.evaluation.report import PLOTS, RunResult, build_report, write_report
 
 # ARCHITECTURE.md's report.json contract.
 REQUIRED = ("scheme", "num_prompts", "generated_tokens", "target_steps", "mean_accept_len",

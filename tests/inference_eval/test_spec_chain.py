@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from inference_eval.sampling import SamplingParams, SamplingTensors, processed_probs
-from inference_eval.spec.chain import residual_probs, verify_greedy, verify_sampled
+from inference_eval.engine.sampling import SamplingParams, SamplingTensors, processed_probs
+from inference_eval.engine.speculative.chain import residual_probs, verify_greedy, verify_sampled
 
 
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:

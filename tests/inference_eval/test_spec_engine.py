@@ -10,11 +10,12 @@ import torch
 from heads.checkpoint import save_head
 from heads.config import HeadConfig
 from heads.registry import build_head
-from inference_eval.config import EngineConfig
-from inference_eval.engine import LLMEngine
-from inference_eval.sampling import SamplingParams
-from inference_eval.spec.engine import SpecEngine, frozen_parts_of, make_engine
-from inference_eval.target import TargetConfig, load_target
+from inference_eval.engine.config import EngineConfig
+from inference_eval.engine.llm_engine import LLMEngine
+from inference_eval.engine.sampling import SamplingParams
+from inference_eval.engine.speculative.spec_engine import SpecEngine
+from inference_eval.evaluation.engines import build_engine, frozen_parts_of
+from inference_eval.engine.target import TargetConfig, load_target
 from spec_stats import chi2_pvalue, first_two_counts, joint_first_two
 
 
@@ -42,7 +43,7 @@ def test_head_chain_greedy_is_lossless(tiny_hf, tmp_path, num_draft):
     # Max lengths differ per prompt so K shrinks near the end for some requests only.
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (9, 14, 20, 5, 17, 12)]
     prompts = _prompts()
-    eng = make_engine(loaded, EngineConfig(attention="torch", page_size=4),
+    eng = build_engine(loaded, EngineConfig(attention="torch", page_size=4),
                       SimpleNamespace(kind="head", checkpoint=str(tmp_path / "h"), num_draft=num_draft,
                                       scheme="chain"))
     out = eng.generate(prompts, params, progress=False)
@@ -57,7 +58,7 @@ def test_llm_draft_equal_to_target_accepts_everything(tiny_hf):
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     prompts = _prompts(3)
     eng = SpecEngine(loaded.model, None, EngineConfig(attention="torch", page_size=4),
-                     lambda p, ps, d, dt: __import__("inference_eval.spec.drafters", fromlist=["x"])
+                     lambda p, ps, d, dt: __import__("inference_eval.engine.speculative.drafters", fromlist=["x"])
                      .LLMDrafter(loaded.model, p, ps, d, dt), num_draft=3)
     out = eng.generate(prompts, params, progress=False)
     assert [r.token_ids for r in out] == _ar(loaded, prompts, params)
@@ -71,7 +72,7 @@ def test_llm_draft_other_model_is_lossless(tiny_hf):
     hf_dir, _ = tiny_hf("smollm2")  # another random model, same vocab size
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     prompts = _prompts(4, seed=5)
-    eng = make_engine(loaded, EngineConfig(attention="torch", page_size=4),
+    eng = build_engine(loaded, EngineConfig(attention="torch", page_size=4),
                       SimpleNamespace(kind="llm", num_draft=3, scheme="chain",
                                       llm=TargetConfig(name="d", source="hf", path=str(hf_dir))))
     out = eng.generate(prompts, params, progress=False)
@@ -88,7 +89,7 @@ def test_head_for_another_target_is_refused(tiny_hf, tmp_path):
     head = build_head(HeadConfig(type="mtp"), frozen_parts_of(a))
     save_head(head, tmp_path / "h")
     with pytest.raises(ValueError, match="other embedding/lm_head"):
-        make_engine(b, EngineConfig(attention="torch"),
+        build_engine(b, EngineConfig(attention="torch"),
                     SimpleNamespace(kind="head", checkpoint=str(tmp_path / "h"), num_draft=2, scheme="chain"))
 
 
@@ -111,7 +112,7 @@ def test_sampled_speculation_matches_target_distribution(tiny_hf, tmp_path):
     params = SamplingParams(temperature=0.8, top_k=4, max_new_tokens=3, ignore_eos=True)
     joint = joint_first_two(loaded.model, prompt, params)
     cfg = EngineConfig(attention="torch", page_size=4, max_batch_size=4096, seed=123)
-    eng = make_engine(loaded, cfg, SimpleNamespace(kind="head", checkpoint=str(tmp_path / "h"),
+    eng = build_engine(loaded, cfg, SimpleNamespace(kind="head", checkpoint=str(tmp_path / "h"),
                                                    num_draft=2, scheme="chain"))
     trials = 3000
     out = eng.generate([prompt] * trials, params, progress=False)

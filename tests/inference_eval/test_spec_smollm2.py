@@ -15,12 +15,12 @@ from heads.checkpoint import save_head
 from heads.config import HeadConfig
 from heads.registry import build_head
 from heads.rollout import PackedBatch
-from inference_eval.attention import BatchLayout
-from inference_eval.attention.torch_backend import TorchAttentionBackend
-from inference_eval.config import EngineConfig
-from inference_eval.engine import LLMEngine
-from inference_eval.sampling import SamplingParams
-from inference_eval.spec.engine import frozen_parts_of, make_engine
+from inference_eval.engine.attention import BatchLayout
+from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
+from inference_eval.engine.config import EngineConfig
+from inference_eval.engine.llm_engine import LLMEngine
+from inference_eval.engine.sampling import SamplingParams
+from inference_eval.evaluation.engines import build_engine, frozen_parts_of
 
 PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
            "The three primary colors are"]
@@ -54,7 +54,7 @@ def test_trained_head_chain_and_tree_are_lossless_on_smollm2(smollm2, tmp_path):
     for cfg in (SimpleNamespace(kind="head", checkpoint=str(tmp_path / "h"), scheme="chain", num_draft=2),
                 SimpleNamespace(kind="head", checkpoint=str(tmp_path / "h"), scheme="tree", num_draft=3,
                                 depth=3, topk=3, total_tokens=8)):
-        out = make_engine(loaded, EngineConfig(), cfg).generate(prompts, params, progress=False)
+        out = build_engine(loaded, EngineConfig(), cfg).generate(prompts, params, progress=False)
         assert [r.token_ids for r in out] == ar, cfg.scheme
         proposed = sum(sum(r.meta["proposed"]) for r in out)
         accepted = sum(sum(r.meta["accepted"]) for r in out)

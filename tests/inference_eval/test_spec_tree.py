@@ -7,9 +7,9 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from inference_eval.sampling import SamplingParams, SamplingTensors, processed_probs
-from inference_eval.spec.chain import verify_greedy
-from inference_eval.spec.tree import (
+from inference_eval.engine.sampling import SamplingParams, SamplingTensors, processed_probs
+from inference_eval.engine.speculative.chain import verify_greedy
+from inference_eval.engine.speculative.tree import (
     CHILD_MODES, DraftTree, build_tree, tree_attention_mask, tree_children, tree_emitted_tokens,
     tree_expand, tree_init, tree_positions, tree_prune, verify_tree_greedy, verify_tree_sampled)
 
@@ -354,7 +354,7 @@ def test_wrong_rules_are_caught():
 
 
 def test_top_children_equal_a_full_stable_sort_with_and_without_ties():
-    from inference_eval.spec.tree import _top_children
+    from inference_eval.engine.speculative.tree import _top_children
 
     g = torch.Generator().manual_seed(3)
     for ties in (False, True):

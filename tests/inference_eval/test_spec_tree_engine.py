@@ -11,15 +11,15 @@ import torch
 from heads.checkpoint import save_head
 from heads.config import HeadConfig
 from heads.registry import build_head
-from inference_eval.attention import BatchLayout
-from inference_eval.config import EngineConfig
-from inference_eval.engine import LLMEngine
-from inference_eval.kv_cache import KVCache
-from inference_eval.sampling import SamplingParams
-from inference_eval.spec.drafters import HeadDrafter
-from inference_eval.spec.engine import frozen_parts_of, make_engine
-from inference_eval.spec.tree_engine import TreeSpecEngine
-from inference_eval.target import TargetConfig, load_target
+from inference_eval.engine.attention import BatchLayout
+from inference_eval.engine.config import EngineConfig
+from inference_eval.engine.llm_engine import LLMEngine
+from inference_eval.engine.kv_cache import KVCache
+from inference_eval.engine.sampling import SamplingParams
+from inference_eval.engine.speculative.drafters import HeadDrafter
+from inference_eval.evaluation.engines import build_engine, frozen_parts_of
+from inference_eval.engine.speculative.tree_engine import TreeSpecEngine
+from inference_eval.engine.target import TargetConfig, load_target
 from spec_stats import chi2_pvalue, first_two_counts, joint_first_two
 
 BOS = 1
@@ -76,7 +76,7 @@ class OracleDrafter(HeadDrafter):
         shifted = BatchLayout([q + f for q, f in zip(lay.q_lens, fresh)], [kv + 1 for kv in lay.kv_lens],
                               lay.block_tables, lay.page_size, positions=torch.cat(positions),
                               tree_masks=lay.tree_masks)
-        from inference_eval.attention.torch_backend import TorchAttentionBackend
+        from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
 
         out = self.model(torch.cat(toks), TorchAttentionBackend().plan(shifted), self.cache)
         logits = out.logits[torch.tensor(keep)].float()
@@ -100,7 +100,7 @@ def test_random_head_tree_greedy_is_lossless(tiny_hf, tmp_path, depth, topk, tot
     save_head(head, tmp_path / "h")
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (9, 14, 20, 5, 17, 12)]
     prompts = _prompts()
-    eng = make_engine(loaded, EngineConfig(attention="torch", page_size=4),
+    eng = build_engine(loaded, EngineConfig(attention="torch", page_size=4),
                       _tree_cfg(tmp_path / "h", depth, topk, total))
     assert isinstance(eng, TreeSpecEngine)
     out = eng.generate(prompts, params, progress=False)
@@ -146,7 +146,7 @@ def test_tree_needs_a_head(tiny_hf):
     loaded = _loaded(tiny_hf)
     hf_dir, _ = tiny_hf("smollm2")
     with pytest.raises(ValueError, match="scheme=tree needs draft=head"):
-        make_engine(loaded, EngineConfig(attention="torch"),
+        build_engine(loaded, EngineConfig(attention="torch"),
                     SimpleNamespace(kind="llm", num_draft=2, scheme="tree", depth=2, topk=2,
                                     total_tokens=4,
                                     llm=TargetConfig(name="d", source="hf", path=str(hf_dir))))

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_eval.attention import BatchLayout, make_backend
-from inference_eval.target import TargetConfig, load_target
+from inference_eval.engine.attention import BatchLayout, make_backend
+from inference_eval.engine.target import TargetConfig, load_target
 from precompute.config import PrecomputeConfig
 from precompute.data import TokenizedRecord
 from precompute.dump import build_shard

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from inference_eval.hydra_app import compose
-from inference_eval.target import load_target
+from inference_eval.engine.target import load_target
 from precompute.manifest import Manifest, ShardEntry
 from precompute.shard_io import Shard, write_shard
 from train.config import TrainConfig

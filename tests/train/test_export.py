@@ -17,9 +17,9 @@ from heads.config import HeadConfig
 from heads.frozen import load_frozen
 from heads.registry import build_head
 from heads.rollout import PackedBatch, rollout
-from inference_eval.target import TargetConfig
+from inference_eval.engine.target import TargetConfig
 from tiny_hf_models import make_tiny_hf
-from train.export import detect_format, export_head, import_head
+from heads.formats import detect_format, export_head, import_head
 
 REPO = Path(__file__).resolve().parents[2]
 H, V, L = 96, 320, 3  # the tiny HF family's hidden size, vocabulary and depth
@@ -278,15 +278,15 @@ def test_import_onto_the_wrong_target_is_refused(target, tmp_path):
 
 
 def test_eval_engine_drafts_with_a_foreign_directory(tiny_hf, tmp_path, monkeypatch):
-    """The eval path (read_head_config + load_head in make_engine) takes the exported directory
+    """The eval path (read_head_config + load_head in build_engine) takes the exported directory
     and drafts exactly what our own checkpoint drafts: every draft logit row is equal."""
     from types import SimpleNamespace
 
-    from inference_eval.config import EngineConfig
-    from inference_eval.sampling import SamplingParams
-    from inference_eval.spec.drafters import HeadDrafter
-    from inference_eval.spec.engine import frozen_parts_of, make_engine
-    from inference_eval.target import load_target
+    from inference_eval.engine.config import EngineConfig
+    from inference_eval.engine.sampling import SamplingParams
+    from inference_eval.engine.speculative.drafters import HeadDrafter
+    from inference_eval.evaluation.engines import build_engine, frozen_parts_of
+    from inference_eval.engine.target import load_target
 
     drafted: list[torch.Tensor] = []
     run = HeadDrafter.run
@@ -307,7 +307,7 @@ def test_eval_engine_drafts_with_a_foreign_directory(tiny_hf, tmp_path, monkeypa
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     runs, logits = [], []
     for ckpt in ("ours", "vllm"):
-        eng = make_engine(loaded, EngineConfig(attention="torch", page_size=4), SimpleNamespace(
+        eng = build_engine(loaded, EngineConfig(attention="torch", page_size=4), SimpleNamespace(
             kind="head", checkpoint=str(tmp_path / ckpt), num_draft=3, scheme="chain"))
         runs.append([(r.token_ids, r.meta["accepted"]) for r in
                      eng.generate(prompts, params, progress=False)])

@@ -15,9 +15,9 @@ import torch
 from heads.checkpoint import save_head
 from heads.frozen import load_frozen
 from heads.rollout import PackedBatch, rollout
-from inference_eval.target import TargetConfig
+from inference_eval.engine.target import TargetConfig
 from test_export import H, V, make_head
-from train.export import export_head
+from heads.formats import export_head
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from heads.frozen import FrozenParts
 from heads.registry import build_head
 from heads.rollout import PackedBatch
 from inference_eval.hydra_app import compose
-from inference_eval.model.arch import ModelArch
+from inference_eval.engine.model.arch import ModelArch
 from train.config import TrainConfig
 from train.precision import cast_for_training
 

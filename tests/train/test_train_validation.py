@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from inference_eval.eval_config import DraftConfig
-from inference_eval.evaluate import build_engine
+from inference_eval.evaluation.config import DraftConfig
+from inference_eval.evaluation.engines import build_engine
 from inference_eval.hydra_app import compose
-from inference_eval.sampling import SamplingParams
+from inference_eval.engine.sampling import SamplingParams
 from train.config import TrainConfig
 from train.loop import train
 from train.validate import Validator

@@ -1,8 +1,2 @@
-"""Exporters and importers between our head checkpoints and the formats serving engines load:
-speculators (vLLM), EAGLE-3 (SGLang, TensorRT-LLM, vLLM), EAGLE-1 (EAGLE, SGLang) and a
-DeepSeek-style MTP layer stitched into the target checkpoint. CLI: `python -m train.export`."""
-from train.export.registry import (FORMATS, detect_format, export_head, foreign_head_config,
-                                   formats_for, import_head, read_foreign)
-
-__all__ = ["FORMATS", "detect_format", "export_head", "foreign_head_config", "formats_for",
-           "import_head", "read_foreign"]
+"""`python -m train.export`: the command line over `heads.formats` (export a trained head to
+a serving format, or import a foreign checkpoint as ours)."""

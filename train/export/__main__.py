@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from train.export.registry import FORMATS, detect_format, export_head, import_head
+from heads.formats.registry import FORMATS, detect_format, export_head, import_head
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,7 +47,7 @@ def import_to_specheads(src: Path, target: str, out: Path) -> Path:
     """A foreign head -> our checkpoint format, on the frozen parts of `target`."""
     from heads.checkpoint import save_head
     from heads.frozen import load_frozen
-    from inference_eval.target import TargetConfig
+    from inference_eval.engine.target import TargetConfig
 
     fmt = detect_format(src)
     gguf = target.endswith(".gguf")

@@ -1,0 +1,98 @@
+"""Which formats exist, which heads each can hold, and the one place that detects a foreign
+directory's format from its config keys (used by heads.checkpoint.load_head and the CLI)."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from heads.base import DraftHead
+from heads.frozen import FrozenParts
+from heads.formats import deepseek_mtp, eagle1, eagle3, speculators
+from heads.formats.bundle import HeadBundle, read_specheads, to_head
+
+# Detection order matters: a speculators config is also an EAGLE-3 one in spirit, and only
+# its speculators_model_type key tells them apart.
+FORMATS: dict[str, ModuleType] = {"speculators": speculators, "eagle3": eagle3,
+                                  "eagle1": eagle1, "deepseek_mtp": deepseek_mtp}
+
+
+def formats_for(head_type: str) -> list[str]:
+    return [name for name, fmt in FORMATS.items() if head_type in fmt.HEAD_TYPES]
+
+
+def check_format(head_type: str, fmt: str) -> ModuleType:
+    """The format module, or a ValueError naming the head type, the format and where the head
+    type can go instead."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}: use one of {sorted(FORMATS)}")
+    module = FORMATS[fmt]
+    if head_type not in module.HEAD_TYPES:
+        others = formats_for(head_type)
+        where = (f"a {head_type!r} head can be exported to {others}" if others else
+                 f"no foreign format can express a {head_type!r} head; it stays in the specheads "
+                 "format (evaluate it with python -m inference_eval)")
+        raise ValueError(f"cannot export a {head_type!r} head to format {fmt!r}, which holds "
+                         f"{list(module.HEAD_TYPES)} heads; {where}")
+    return module
+
+
+def export_head(checkpoint: str | Path, fmt: str, out: str | Path, *, verifier: str | None = None,
+                target_dir: str | Path | None = None, copy: bool = False,
+                dtype: torch.dtype | None = None) -> Path:
+    """A head directory -> `out` in format `fmt` (see each format's module). The source is
+    our checkpoint, or any format read_foreign knows (e.g. an SGLang EAGLE-3 head to vLLM's
+    speculators format); the target itself is not needed.
+    verifier: the name/path an engine loads as the target (default: the checkpoint's target).
+    target_dir, copy: the target's HF directory to stitch into, and whether to copy its
+    shards instead of symlinking them (deepseek_mtp only). dtype: of the written weights
+    (default: the checkpoint's)."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    if out.resolve() == checkpoint.resolve():
+        raise ValueError(f"output {out} is the checkpoint itself; export to another directory")
+    bundle = read_foreign(checkpoint)
+    module = check_format(bundle.cfg.type, fmt)
+    if dtype is not None:
+        bundle.state = {k: v.to(dtype) if v.is_floating_point() else v
+                        for k, v in bundle.state.items()}
+    if module is deepseek_mtp:
+        return module.export(bundle, out, target_dir=target_dir, copy=copy)
+    return module.export(bundle, out, verifier=verifier)
+
+
+def detect_format(path: str | Path, cfg: dict[str, Any] | None = None) -> str | None:
+    """'specheads', a name in FORMATS, or None, from the directory's config.json keys."""
+    from heads.formats.bundle import read_config
+
+    cfg = read_config(Path(path)) if cfg is None else cfg
+    if cfg.get("format") == "specheads-head-v1":
+        return "specheads"
+    return next((name for name, fmt in FORMATS.items() if fmt.detect(cfg)), None)
+
+
+def read_foreign(path: str | Path, fmt: str | None = None) -> HeadBundle:
+    """Any known head directory -> bundle (format detected unless given)."""
+    path = Path(path)
+    fmt = fmt or detect_format(path)
+    if fmt is None:
+        raise ValueError(f"{path}: config.json matches none of the formats "
+                         f"{['specheads', *FORMATS]} (no specheads format key, "
+                         "speculators_model_type, EAGLE architecture or num_nextn_predict_layers)")
+    return read_specheads(path) if fmt == "specheads" else FORMATS[fmt].read(path)
+
+
+def import_head(path: str | Path, parts: FrozenParts, fmt: str | None = None) -> DraftHead:
+    """A head directory in any known format -> our DraftHead on the target's frozen parts."""
+    return to_head(read_foreign(path, fmt), parts)
+
+
+def foreign_head_config(path: Path, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """What read_head_config reports for a foreign directory: format, head type and the target
+    it names (if the file says); None when the format is unknown."""
+    fmt = detect_format(path, cfg)
+    if fmt is None or fmt == "specheads":
+        return None
+    kind = FORMATS[fmt].HEAD_TYPES[0]
+    return {"format": fmt, "head": {"type": kind}, "target": cfg.get("specheads_target") or {}}

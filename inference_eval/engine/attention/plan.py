@@ -1,0 +1,46 @@
+"""The backend interface: `plan` once per step, then `attend` once per layer."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from inference_eval.engine.attention.layout import BatchLayout
+
+
+class AttentionPlan(Protocol):
+    positions: torch.Tensor  # [T] int64 rotary positions
+    num_tokens: int
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cache) -> torch.Tensor:
+        """Append k/v [T, kv_heads, d] to `cache` (if any) and attend; q [T, heads, d] ->
+        [T, heads, d]. `cache` is a KVCache or None for cacheless layouts."""
+        ...
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def plan(self, layout: BatchLayout) -> AttentionPlan: ...
+
+
+def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
+    """`auto` picks FlashInfer on CUDA when it is installed, else the torch backend."""
+    from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
+
+    dev = torch.device(device)
+    if name == "torch":
+        return TorchAttentionBackend(dev)
+    if name in ("flashinfer", "auto"):
+        from inference_eval.engine.attention import flashinfer_backend as fib
+
+        if dev.type == "cuda" and fib.available():
+            return fib.FlashInferBackend(dev)
+        if name == "flashinfer":
+            raise RuntimeError(
+                "attention backend 'flashinfer' needs CUDA and the flashinfer-python package "
+                f"(device={dev}, installed={fib.available()}); use attention=torch or "
+                "pip install -e .[gpu]")
+        return TorchAttentionBackend(dev)
+    raise ValueError(f"unknown attention backend {name!r}; use auto, torch or flashinfer")

@@ -1,0 +1,170 @@
+"""The inference engine: requests in, tokens out, over a paged KV cache.
+
+A step is: schedule -> lay out the batch -> plan attention once -> run the model -> sample
+-> update requests. Speculative schemes (inference_eval/engine/speculative/) reuse the same scheduler,
+allocator, cache and plan objects.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from inference_eval.engine.attention import BatchLayout, make_backend
+from inference_eval.engine.config import EngineConfig
+from inference_eval.engine.kv_cache import KVCache
+from inference_eval.engine.model.linear import set_cpu_blas
+from inference_eval.engine.model.transformer import TransformerLM
+from inference_eval.engine.page_allocator import PageAllocator
+from inference_eval.engine.prompt_encoding import encode_prompt
+from inference_eval.engine.request import Request
+from inference_eval.engine.sampling import SamplingParams, SamplingTensors, sample
+from inference_eval.engine.scheduler import ScheduledBatch, Scheduler
+
+
+@dataclass
+class GenerationResult:
+    id: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, model: TransformerLM, tokenizer=None, cfg: EngineConfig | None = None,
+                 lookahead: int = 0) -> None:
+        self.cfg = cfg or EngineConfig()
+        self.model, self.tokenizer = model, tokenizer
+        arch = model.arch
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
+        self.cpu_blas = self.cfg.cpu_blas == "numpy" or (
+            self.cfg.cpu_blas == "auto" and self.device.type == "cpu" and self.dtype == torch.float32)
+        set_cpu_blas(model, self.cpu_blas)
+        self.max_context = min(arch.max_position_embeddings, self.cfg.max_context or 1 << 62)
+        num_pages = self.cfg.resolve_num_pages(
+            KVCache.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype))
+        self.allocator = PageAllocator(num_pages, self.cfg.page_size)
+        self.cache = KVCache(arch.num_layers, num_pages, self.cfg.page_size, arch.num_kv_heads,
+                             arch.head_dim, self.dtype, self.device)
+        self.backend = make_backend(self.cfg.attention, self.device)
+        self.scheduler = Scheduler(self.allocator, self.cfg.max_batch_size,
+                                   self.cfg.max_batched_tokens, lookahead)
+        self.eos_ids = set(arch.eos_token_ids)
+        self.generator = torch.Generator(device=self.device).manual_seed(self.cfg.seed)
+        self._next_id = 0
+        self.num_steps = 0
+
+    # ---- requests -------------------------------------------------------------------
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+        """Queue a tokenized prompt. Bad prompts raise ValueError naming the request."""
+        rid = self._next_id
+        self._next_id += 1
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError(f"request {rid}: the prompt is empty")
+        if len(ids) >= self.max_context:
+            raise ValueError(f"request {rid}: prompt has {len(ids)} tokens, the context holds "
+                             f"{self.max_context}; shorten the prompt or raise engine.max_context")
+        bad = [t for t in ids if not 0 <= t < self.model.arch.vocab_size]
+        if bad:
+            raise ValueError(f"request {rid}: token ids {bad[:5]} are outside the vocabulary")
+        req = Request(rid, ids, params, self.max_context)
+        self.scheduler.add(req)
+        return req
+
+    # ---- one step ----------------------------------------------------------------------
+    def layout(self, batch: ScheduledBatch) -> BatchLayout:
+        return BatchLayout(q_lens=batch.q_lens,
+                           kv_lens=[r.num_cached + q for r, q in zip(batch.requests, batch.q_lens)],
+                           block_tables=[r.pages for r in batch.requests],
+                           page_size=self.cfg.page_size)
+
+    def step(self) -> list[Request]:
+        """Run one scheduled step; returns the requests that finished in it."""
+        if not self.cpu_blas:
+            with torch.inference_mode():
+                return self._step()
+        # OpenBLAS runs the GEMMs on its own threads; torch's OpenMP pool spinning beside it
+        # halves decode speed (measured), and the remaining torch ops are tiny at decode.
+        prev = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with torch.inference_mode():
+                return self._step()
+        finally:
+            torch.set_num_threads(prev)
+
+    def _step(self) -> list[Request]:
+        batch = self.scheduler.schedule()
+        done = list(batch.failed)
+        if not batch.requests:
+            return done
+        layout = self.layout(batch)
+        ids = torch.tensor([t for r in batch.requests for t in r.pending_ids], dtype=torch.long,
+                           device=self.device)
+        plan = self.backend.plan(layout)
+        last = torch.tensor(layout.cu_q()[1:], device=self.device) - 1
+        out = self.model(ids, plan, self.cache, logits_indices=last)
+        st = SamplingTensors.from_params([r.params for r in batch.requests], self.device)
+        tokens = sample(out.logits, st, self.generator).tolist()
+        self.num_steps += 1
+        for req, q, tok in zip(batch.requests, batch.q_lens, tokens):
+            req.num_cached += q
+            req.output_ids.append(tok)
+            req.proposed.append(0)
+            req.accepted.append(0)
+            if req.check_stop(self.eos_ids):
+                self.scheduler.free(req)
+                done.append(req)
+        return done
+
+    # ---- batch API ----------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams],
+                 chat: bool = True, progress: bool = True) -> list[GenerationResult]:
+        """Generate for many prompts with continuous batching.
+
+        prompts: strings (chat template applied when chat=True), message lists
+        ([{"role", "content"}]), or token id lists. A prompt that fails validation gets a
+        result with `error` set; the others still run.
+        """
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        results: dict[int, GenerationResult] = {}
+        live: dict[int, tuple[int, Request]] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            try:
+                ids = encode_prompt(self.tokenizer, prompt, chat=chat)
+                req = self.add_request(ids, p)
+                live[req.id] = (i, req)
+            except ValueError as exc:
+                results[i] = GenerationResult(i, [], [], finish_reason="error",
+                                              error=f"prompt {i}: {exc}")
+        bar = tqdm(total=len(live), desc="generate", unit="req", disable=not progress)
+        t0, ntok = time.perf_counter(), 0
+        while self.scheduler.has_work:
+            for req in self.step():
+                i, _ = live[req.id]
+                results[i] = self._result(i, req)
+                ntok += len(req.output_ids)
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{ntok / max(time.perf_counter() - t0, 1e-9):.1f}")
+        bar.close()
+        return [results[i] for i in range(len(prompts))]
+
+    def _result(self, i: int, req: Request) -> GenerationResult:
+        text = None
+        if self.tokenizer is not None and req.output_ids:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        return GenerationResult(i, req.prompt_ids, list(req.output_ids), text, req.finish_reason,
+                                req.error, req.num_preemptions,
+                                meta={"target_steps": len(req.accepted), "proposed": list(req.proposed),
+                                      "accepted": list(req.accepted)})

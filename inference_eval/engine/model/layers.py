@@ -1,0 +1,109 @@
+"""The one decoder layer that target and draft models share (STYLE 7).
+
+Tensors are packed: T tokens of all requests in a step, laid end to end, no padding.
+Attention is delegated to `ctx.attend`, a per-step object planned once by an attention
+backend (torch SDPA, FlashInfer, or cacheless packed attention for training/precompute).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference_eval.engine.model.arch import ModelArch
+from inference_eval.engine.model.linear import Linear
+from inference_eval.engine.model.rope import apply_rope
+
+
+class AttentionContext(Protocol):
+    """What a layer needs from the step: rotary tables for its tokens and an attention call."""
+
+    cos: torch.Tensor  # [T, head_dim] fp32
+    sin: torch.Tensor  # [T, head_dim] fp32
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, heads, d], k/v [T, kv_heads, d] (new tokens) -> [T, heads, d]."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel
+        # Low precision: fp32 statistics, cast back before the weight, as HF does.
+        out = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer: int, in_features: int | None = None) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        # One fused projection: three small GEMMs cost three dispatches per layer at decode.
+        self.qkv_proj = Linear(in_features or arch.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=arch.qkv_bias)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """x [T, in_features] -> [T, H]."""
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.heads, self.head_dim)
+        k = k.view(t, self.kv_heads, self.head_dim)
+        v = v.view(t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        out = ctx.attend(self.layer, q, k, v)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.inter = arch.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP with residuals.
+
+    `input_norm=False` gives the EAGLE-1 layout (its fused input is not normalized);
+    `attn_in_features` widens the attention input (EAGLE-3 feeds [emb; hidden], 2H).
+    """
+
+    def __init__(self, arch: ModelArch, layer: int, *, input_norm: bool = True,
+                 attn_in_features: int | None = None) -> None:
+        super().__init__()
+        width = attn_in_features or arch.hidden_size
+        self.input_layernorm = RMSNorm(width, arch.rms_norm_eps) if input_norm else None
+        self.self_attn = Attention(arch, layer, attn_in_features)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, width] -> [T, H]. `residual` [T, H] defaults to x (differs only when widened)."""
+        residual = x if residual is None else residual
+        h = self.input_layernorm(x) if self.input_layernorm is not None else x
+        h = residual + self.self_attn(h, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,154 @@
+"""Typed configs of `python -m inference_eval` (conf/eval.yaml).
+
+    draft:   one DraftConfig, chosen from conf/draft/{none,head,llm}.yaml (`draft=head ...`)
+    drafts:  several drafts side by side in one report; each entry is a preset name or a
+             mapping of DraftConfig fields whose `kind` (or `preset`) picks the preset it
+             starts from, e.g.
+             drafts='[{kind:head,checkpoint:runs/mtp,name:mtp},{kind:llm,name:small}]'
+             A non-empty `drafts` replaces `draft`. The AR baseline always runs first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inference_eval.engine.config import EngineConfig
+from inference_eval.hydra_app import CONF_DIR
+from inference_eval.evaluation.prompts import PromptsConfig
+from inference_eval.engine.sampling import SamplingParams
+from inference_eval.engine.target import TargetConfig
+
+DRAFT_KINDS = ("none", "head", "llm")
+SCHEMES = ("chain", "tree")
+BASELINE_LABEL = "ar"
+
+
+@dataclass
+class DraftConfig:
+    """The `draft` group: what proposes tokens for the target to verify.
+
+    kind: none (autoregressive baseline) | head (a trained head checkpoint dir) | llm (a
+        separate small model `llm`, sharing the target's tokenizer).
+    scheme: chain (num_draft tokens in a line) | tree (EAGLE-2 dynamic tree: `topk` children
+        per expanded node, `depth` levels, `total_tokens` kept after pruning).
+    name: label in the report (None = derived from checkpoint/llm name and scheme).
+    """
+
+    kind: str = "none"
+    name: str | None = None
+    checkpoint: str | None = None
+    scheme: str = "chain"
+    num_draft: int = 4
+    # EAGLE-2's published defaults (top_k 10, depth 5, total_token 60).
+    topk: int = 10
+    depth: int = 5
+    total_tokens: int = 60
+    llm: TargetConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in DRAFT_KINDS:
+            raise ValueError(f"draft.kind={self.kind!r}: use one of {DRAFT_KINDS}")
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"draft.scheme={self.scheme!r}: use one of {SCHEMES}")
+        for key in ("num_draft", "topk", "depth", "total_tokens"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"draft.{key} must be an integer >= 1, got {value!r}")
+        if self.kind == "head" and not self.checkpoint:
+            raise ValueError("draft.checkpoint is required with draft=head (a head checkpoint dir)")
+        if self.kind == "llm" and self.llm is None:
+            raise ValueError("draft.llm (a target-like config of the draft model) is required "
+                             "with draft=llm")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
+            raise ValueError(f"draft.name must be a non-empty string or null, got {self.name!r}")
+
+    @property
+    def label(self) -> str:
+        """Report label: `name`, else "ar" | "<checkpoint dir>-<scheme>" | "<llm>-<scheme>"."""
+        if self.name:
+            return self.name
+        if self.kind == "none":
+            return BASELINE_LABEL
+        base = Path(str(self.checkpoint)).name if self.kind == "head" else self.llm.name
+        return f"{base}-{self.scheme}"
+
+    @property
+    def report_scheme(self) -> str:
+        return "ar" if self.kind == "none" else self.scheme
+
+
+@dataclass
+class EvalSettings:
+    """The `eval` key. batch_size: requests decoded together (the engine's max batch; the
+    prompts of a turn are queued at once and continuously batched). warmup: one short
+    untimed generation per engine first, so lazy init (BLAS, kernels) is not timed."""
+
+    batch_size: int = 8
+    chat: bool = True
+    warmup: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"eval.batch_size must be an integer >= 1, got {self.batch_size!r}")
+
+
+@dataclass
+class EvalConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    # Entries: preset names or DraftConfig-field mappings; list[DraftConfig] after validation.
+    drafts: list[Any] = field(default_factory=list)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    output_dir: str = "runs/eval"
+
+    def __post_init__(self) -> None:
+        self.drafts = [resolve_draft(d, f"drafts[{i}]") for i, d in enumerate(self.drafts)]
+        labels = [d.label for d in self.draft_runs()]
+        dup = sorted({x for x in labels if labels.count(x) > 1} | ({BASELINE_LABEL} & set(labels)))
+        if dup:
+            raise ValueError(f"drafts: run label(s) {dup} repeat or clash with the baseline "
+                             f"{BASELINE_LABEL!r}; give each draft a distinct name=")
+
+    def draft_runs(self) -> list[DraftConfig]:
+        """The speculative runs after the baseline: `drafts` if given, else `draft` unless none."""
+        runs = self.drafts if self.drafts else [self.draft]
+        return [d for d in runs if d.kind != "none"]
+
+
+def load_draft_preset(name: str) -> Any:
+    """conf/draft/<name>.yaml as a DictConfig over the DraftConfig schema."""
+    from omegaconf import OmegaConf
+
+    path = CONF_DIR / "draft" / f"{name}.yaml"
+    if not path.is_file():
+        options = sorted(p.stem for p in (CONF_DIR / "draft").glob("*.yaml"))
+        raise ValueError(f"draft preset {name!r} does not exist; use one of {options}")
+    return OmegaConf.merge(OmegaConf.structured(DraftConfig), OmegaConf.load(path))
+
+
+def resolve_draft(entry: Any, where: str) -> DraftConfig:
+    """A `drafts` entry -> DraftConfig: a preset name, or a mapping over a preset (its
+    `preset` key, else its `kind`, else "none"), or already a DraftConfig."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(entry, DraftConfig):
+        return entry
+    if isinstance(entry, str):
+        preset, extra = entry, {}
+    elif isinstance(entry, dict):
+        extra = dict(entry)
+        preset = extra.pop("preset", extra.get("kind", "none"))
+    else:
+        raise ValueError(f"{where}: expected a draft preset name or a mapping, got {entry!r}")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(load_draft_preset(str(preset)), extra))
+    except OmegaConfBaseException as exc:  # unknown key, missing checkpoint, wrong type
+        raise ValueError(f"{where} ({entry!r}): {exc}".splitlines()[0]) from None
+    except ValueError as exc:
+        raise ValueError(f"{where} ({entry!r}): {exc}") from None

@@ -1,0 +1,61 @@
+"""Building the engine a run asks for: the autoregressive baseline, or a speculative engine
+with a head checkpoint (ours or a foreign format) or a small LLM as its drafter. This is where
+heads meet the engine; the engine itself never imports heads."""
+from __future__ import annotations
+
+from heads.checkpoint import load_head, read_head_config
+from heads.frozen import FrozenParts
+from inference_eval.engine.config import EngineConfig
+from inference_eval.engine.llm_engine import LLMEngine
+from inference_eval.engine.speculative.drafters import HeadDrafter, LLMDrafter
+from inference_eval.engine.speculative.spec_engine import SpecEngine
+from inference_eval.engine.speculative.tree_engine import TreeSpecEngine
+from inference_eval.engine.target import LoadedTarget, load_target
+
+
+def frozen_parts_of(loaded):
+    """The target's frozen tensors for a head, taken from the already loaded engine model."""
+    m = loaded.model
+    return FrozenParts(m.arch, m.embed_tokens.weight, m.norm.weight, m.lm_head_weight,
+                       loaded.identity)
+
+
+def build_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg) -> LLMEngine:
+    """The engine of one run; every engine has LLMEngine's generate() and meta contract.
+    draft_cfg.kind: none -> LLMEngine; head -> a head checkpoint drafting a chain or tree;
+    llm -> a separate small LLM (draft_cfg.llm, a TargetConfig) with the same tokenizer."""
+    if draft_cfg.kind == "none":
+        return LLMEngine(loaded.model, loaded.tokenizer, engine_cfg)
+    return build_spec_engine(loaded, engine_cfg, draft_cfg)
+
+
+def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg) -> SpecEngine:
+    kind = draft_cfg.kind
+    scheme = getattr(draft_cfg, "scheme", "chain")
+    if scheme not in ("chain", "tree"):
+        raise ValueError(f"draft.scheme={scheme!r}: use chain or tree")
+    if scheme == "tree" and kind != "head":
+        raise ValueError("draft.scheme=tree needs draft=head (an MTP/EAGLE head); use "
+                         "scheme=chain for draft=llm")
+    if kind == "head":
+        meta = read_head_config(draft_cfg.checkpoint)
+        want, have = meta.get("target", {}).get("frozen_sha256"), loaded.identity.get("frozen_sha256")
+        if want and have and want != have:
+            raise ValueError(f"head {draft_cfg.checkpoint} was trained for target "
+                             f"{meta['target'].get('name')!r} with other embedding/lm_head weights "
+                             f"than {loaded.identity['name']!r}; train a head for this target")
+        head = load_head(draft_cfg.checkpoint, frozen_parts_of(loaded))
+        make = lambda pages, ps, dev, dt: HeadDrafter(head, pages, ps, dev, dt)  # noqa: E731
+    elif kind == "llm":
+        draft = load_target(draft_cfg.llm, device=next(loaded.model.parameters()).device,
+                            with_tokenizer=False).model
+        if draft.arch.vocab_size != loaded.model.arch.vocab_size:
+            raise ValueError(f"draft LLM vocab {draft.arch.vocab_size} != target vocab "
+                             f"{loaded.model.arch.vocab_size}: a draft must share the tokenizer")
+        make = lambda pages, ps, dev, dt: LLMDrafter(draft, pages, ps, dev, dt)  # noqa: E731
+    else:
+        raise ValueError(f"draft.kind={kind!r}: use none, head or llm")
+    if scheme == "tree":
+        return TreeSpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.depth,
+                              draft_cfg.topk, draft_cfg.total_tokens)
+    return SpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.num_draft)

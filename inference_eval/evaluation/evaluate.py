@@ -1,0 +1,177 @@
+"""`python -m inference_eval`: how many tokens do the drafts let the target accept, and how
+much faster is it, on the engine itself.
+
+    python -m inference_eval target=smollm2 draft=none prompts=humaneval prompts.limit=8 \
+        output_dir=runs/eval
+    python -m inference_eval target=smollm2 draft=head draft.checkpoint=runs/head \
+        prompts=sharegpt_heldout eval.batch_size=4
+
+One run per engine, all on the same prompts and settings: the autoregressive baseline first
+(ar_tokens_per_s, speedup, lossless check), then every requested draft. Prompts run turn by
+turn; turn t sees the run's own earlier answers. Writes output_dir/report.{json,md}, PNGs and
+outputs.jsonl (see report.py).
+"""
+from __future__ import annotations
+
+import gc
+import platform
+import time
+from dataclasses import asdict, replace
+from typing import Any, Callable, Sequence
+
+import torch
+
+from heads.checkpoint import read_head_config
+from inference_eval.engine.config import EngineConfig
+from inference_eval.engine.llm_engine import GenerationResult, LLMEngine
+from inference_eval.evaluation.engines import build_engine
+from inference_eval.evaluation.config import BASELINE_LABEL, DraftConfig, EvalConfig
+from inference_eval.evaluation.metrics import TurnOutput
+from inference_eval.evaluation.prompts import PromptItem, load_prompts
+from inference_eval.evaluation.report import RunResult, build_report, write_report
+from inference_eval.engine.sampling import SamplingParams
+from inference_eval.engine.target import LoadedTarget, load_target
+
+
+def free_device_memory() -> None:
+    """Return a dropped engine's KV cache to CUDA now. Not on CPU: there refcounting frees
+    it, and a full gc.collect() over transformers' object graph costs ~0.6 s (measured)."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+class Runner:
+    """Generates with one engine, rebuilding it after a failure: an exception inside a step
+    can leave the scheduler and page allocator holding dead requests."""
+
+    def __init__(self, make: Callable[[], Any], chat: bool, progress: bool) -> None:
+        self.make, self.chat, self.progress = make, chat, progress
+        self.engine = make()
+
+    def generate(self, prompts: Sequence[Any], params: SamplingParams) -> list[GenerationResult]:
+        """One result per prompt, always: a batch that raises is retried prompt by prompt,
+        so one failing prompt costs only its own result (error set)."""
+        try:
+            return self.engine.generate(list(prompts), params, chat=self.chat,
+                                        progress=self.progress)
+        except Exception as exc:  # noqa: BLE001 - recorded per prompt, never swallowed silently
+            self.engine = None
+            free_device_memory()
+            self.engine = self.make()
+            if len(prompts) == 1:
+                return [GenerationResult(0, [], [], finish_reason="error",
+                                         error=f"{type(exc).__name__}: {exc}")]
+            return [r for p in prompts for r in self.generate([p], params)]
+
+
+def turn_prompt(history: list[dict[str, str]], user: str, chat: bool) -> Any:
+    """The prompt of the next turn: messages for the chat template, or (chat=False) the
+    conversation so far as plain text (encode_prompt templates any message list)."""
+    messages = history + [{"role": "user", "content": user}]
+    return messages if chat else "\n\n".join(m["content"] for m in messages)
+
+
+def run_items(runner: Runner, items: Sequence[PromptItem],
+              params: SamplingParams) -> tuple[list[TurnOutput], float]:
+    """All turns of all items; returns (outputs ordered by turn then item, generate wall s).
+
+    Turn t of every item that has one is queued at once (the engine batches up to
+    eval.batch_size); an item whose turn failed gets its later turns as skipped errors."""
+    history: dict[str, list[dict[str, str]]] = {it.id: [] for it in items}
+    failed: dict[str, int] = {}
+    outputs: list[TurnOutput] = []
+    wall = 0.0
+    for t in range(max(len(it.turns) for it in items)):
+        live = [it for it in items if len(it.turns) > t and it.id not in failed]
+        outputs += [TurnOutput(it.id, it.category, t, error=f"skipped: turn {failed[it.id]} "
+                               "failed") for it in items if len(it.turns) > t and it.id in failed]
+        if not live:
+            continue
+        prompts = [turn_prompt(history[it.id], it.turns[t], runner.chat) for it in live]
+        t0 = time.perf_counter()
+        results = runner.generate(prompts, params)
+        wall += time.perf_counter() - t0
+        for it, res in zip(live, results):
+            out = TurnOutput.from_result(it.id, it.category, t, res)
+            outputs.append(out)
+            if not out.ok:
+                failed[it.id] = t
+            history[it.id] += [{"role": "user", "content": it.turns[t]},
+                               {"role": "assistant", "content": res.text or ""}]
+    return outputs, wall
+
+
+def run_one(loaded: LoadedTarget, engine_cfg: EngineConfig, draft: DraftConfig,
+            items: Sequence[PromptItem], cfg: EvalConfig) -> RunResult:
+    runner = Runner(lambda: build_engine(loaded, engine_cfg, draft), cfg.eval.chat,
+                    cfg.eval.progress)
+    if cfg.eval.warmup:
+        warm = replace(cfg.sampling, max_new_tokens=min(8, cfg.sampling.max_new_tokens))
+        runner.generate([turn_prompt([], items[0].turns[0], cfg.eval.chat)], warm)
+    timing = getattr(runner.engine, "timing", None)
+    if timing is not None:
+        timing.update({k: 0.0 for k in timing})  # time the measured prompts only
+    outputs, wall = run_items(runner, items, cfg.sampling)
+    # A rebuilt engine (after a failing prompt) restarts its timing; the split is then partial.
+    split = dict(getattr(runner.engine, "timing", None) or {})
+    runner.engine = None  # free its KV cache before the next run allocates one
+    free_device_memory()
+    return RunResult(draft.label, draft.report_scheme, asdict(draft), outputs, wall, split)
+
+
+def settings_of(cfg: EvalConfig, loaded: LoadedTarget, items: Sequence[PromptItem],
+                engine_cfg: EngineConfig, device: torch.device) -> dict[str, Any]:
+    """The exact settings every run shared (written into report.json and report.md)."""
+    ident = {k: loaded.identity.get(k) for k in ("name", "source", "path", "weights_sha256")}
+    return {
+        "target": {**ident, "dtype": cfg.target.dtype},
+        "drafts": [asdict(d) for d in cfg.draft_runs()],
+        "sampling": asdict(cfg.sampling),
+        "batch_size": cfg.eval.batch_size,
+        "max_new_tokens": cfg.sampling.max_new_tokens,
+        "prompts": {**asdict(cfg.prompts), "num_items": len(items),
+                    "num_turns": sum(len(it.turns) for it in items)},
+        "chat": cfg.eval.chat,
+        "engine": asdict(engine_cfg),
+        "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "host": platform.node(),
+    }
+
+
+def main(cfg: EvalConfig) -> dict[str, Any]:
+    items = load_prompts(cfg.prompts)
+    drafts = cfg.draft_runs()
+    for d in drafts:  # fail now, not after the baseline has run for an hour
+        if d.kind == "head":
+            read_head_config(d.checkpoint)
+    device = cfg.engine.resolve_device()
+    loaded = load_target(cfg.target, device=device)
+    # The engine's max batch IS the benchmark's concurrency, identical for every run.
+    engine_cfg = replace(cfg.engine, max_batch_size=cfg.eval.batch_size)
+    print(f"{len(items)} prompts ({sum(len(it.turns) for it in items)} turns), runs: "
+          f"{[BASELINE_LABEL] + [d.label for d in drafts]}")
+    runs = []
+    for draft in [DraftConfig(kind="none", name=BASELINE_LABEL)] + drafts:
+        runs.append(run_one(loaded, engine_cfg, draft, items, cfg))
+        print(f"[{draft.label}] {len(runs[-1].outputs)} outputs in {runs[-1].wall_s:.1f}s")
+    report = build_report(runs, settings_of(cfg, loaded, items, engine_cfg, device))
+    paths = write_report(report, cfg.output_dir, runs)
+    print_summary(report)
+    print(f"report: {paths['json']} ({paths['md'].name}, plots, outputs.jsonl beside it)")
+    return report
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    for r in report["runs"]:
+        alpha = ", ".join("-" if a is None else f"{a:.2f}" for a in r["per_position_accept_rate"])
+        lc = r["lossless_check"]
+        tau, tps, sp = r["mean_accept_len"], r["tokens_per_s"], r["speedup"]
+        print(f"[{r['name']}] τ={'-' if tau is None else f'{tau:.3f}'}  α=[{alpha}]  "
+              f"tok/s={'-' if tps is None else f'{tps:.1f}'}  "
+              f"speedup={'-' if sp is None else f'{sp:.2f}x'}"
+              + ("" if lc is None or r["scheme"] == "ar" else
+                 f"  lossless mismatched {lc['mismatched']}/{lc['compared']}")
+              + (f"  errors={r['num_errors']}" if r["num_errors"] else ""))
