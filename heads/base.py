@@ -1,8 +1,10 @@
-"""What every draft head shares: frozen target parts, rotary tables, the step interface.
+"""`DraftHead`: what every draft head shares: frozen target parts, rotary tables, the step
+interface, its weight init and the training objective behind `forward`.
 
-A head step maps (token ids [T], hidden input [T, H_in]) to (next hidden [T, H], features
-[T, H]); features go through the lm_head to logits, the next hidden feeds step k+1. The same
-`step` runs in training (RolloutContext) and in the engine (paged StepContext).
+A head step maps (token ids [T], hidden input [T, H_in], ctx, draft step k) to (next hidden
+[T, H], features [T, H]); features go through the lm_head to logits, the next hidden feeds
+step k+1. The same `step` runs in training (heads/rollout.py, RolloutContext) and in the
+engine (paged StepContext); heads with `attends = False` (Medusa) are handed ctx=None.
 """
 from __future__ import annotations
 
@@ -13,14 +15,22 @@ from torch import nn
 
 from heads.config import HeadConfig
 from heads.frozen import FrozenHead, FrozenParts
+from heads.objective import head_objective
 from inference_eval.engine.model.linear import matmul_wt
 from inference_eval.engine.model.rope import rope_inv_freq, rope_tables
 
 
 class DraftHead(nn.Module):
-    uses_tokens = True  # Medusa does not
+    uses_tokens = True  # whether step() reads its token ids (Medusa: no)
+    attends = True  # whether step() reads ctx, i.e. runs attention (Medusa: no; it gets None)
+    # A reduced vocabulary (head.draft_vocab_size) keeps V_draft rows of the lm_head: EAGLE-3
+    # trains its own copy of them; the other heads use the target's frozen rows as they are.
+    trains_draft_lm_head = False
 
-    def __init__(self, cfg: HeadConfig, parts: FrozenParts) -> None:
+    def __init__(self, cfg: HeadConfig, parts: FrozenParts,
+                 draft_vocab: torch.Tensor | None = None) -> None:
+        """draft_vocab: the target ids [V_draft] of a reduced vocabulary (build_draft_vocab),
+        required when cfg.draft_vocab_size is set."""
         super().__init__()
         self.cfg = cfg
         self.arch = replace(parts.arch, num_layers=1)
@@ -32,6 +42,21 @@ class DraftHead(nn.Module):
                                a.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.draft_lm_head = None  # EAGLE-3's own trained rows of a reduced vocabulary
+        if cfg.draft_vocab_size is None:
+            self.draft_rows = None
+            return
+        if draft_vocab is None or draft_vocab.numel() != cfg.draft_vocab_size:
+            raise ValueError(f"head.draft_vocab_size={cfg.draft_vocab_size} needs its token "
+                             "list (the draft vocabulary's target ids, heads.vocab.build_draft_vocab)")
+        self.register_buffer("d2t_ids", draft_vocab.long(), persistent=True)
+        if self.trains_draft_lm_head:
+            self.draft_lm_head = nn.Parameter(parts.lm_head.new_empty((draft_vocab.numel(),
+                                                                       a.hidden_size)))
+            self.draft_rows = None
+        else:  # the target's frozen rows, gathered once: [V_draft, H]
+            self.register_buffer("draft_rows", parts.lm_head[draft_vocab.long()].detach().clone(),
+                                 persistent=False)
 
     # ---- the interface -------------------------------------------------------------------
     def first_hidden(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
@@ -42,17 +67,24 @@ class DraftHead(nn.Module):
         """What the head's next hidden should match at a position (feature loss)."""
         return hidden
 
-    def step(self, tokens: torch.Tensor, hidden_in: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, tokens: torch.Tensor, hidden_in: torch.Tensor, ctx,
+             k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft step k (1-based): tokens [T] (x_{t+k}), hidden_in [T, H_in] -> (next hidden
+        [T, H] for step k+1, features [T, H] for the lm_head). ctx: the attention context
+        (RolloutContext in training, StepContext in the engine); None when not `attends`."""
         raise NotImplementedError
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """[V_draft, H]: the frozen target lm_head unless a head has its own."""
-        return self.frozen.weight
+        """[V_draft, H]: the frozen target lm_head, its rows of a reduced vocabulary, or the
+        head's own trained rows (EAGLE-3)."""
+        if self.draft_lm_head is not None:
+            return self.draft_lm_head
+        return self.frozen.weight if self.draft_rows is None else self.draft_rows
 
     def draft_to_target(self) -> torch.Tensor | None:
         """d2t as absolute ids [V_draft] for reduced vocabularies; None = identity."""
-        return None
+        return self.d2t_ids if self.cfg.draft_vocab_size is not None else None
 
     def logits(self, features: torch.Tensor, cpu_blas: bool = False) -> torch.Tensor:
         """features [T, H] -> logits [T, V_draft] (target vocabulary unless reduced).
@@ -60,16 +92,39 @@ class DraftHead(nn.Module):
         return matmul_wt(features, self.lm_head_weight.to(features.dtype), cpu_blas)
 
     def forward(self, batch, chunk: int = 1024, naive: bool = False):
-        """Training objective over a packed batch -> (loss, stats [K, 4]); see heads/objective.
+        """Training objective over a packed batch -> (loss, stats [K, STATS]); see heads/objective.
         Routed through forward so DDP/FSDP/DeepSpeed wrappers see the call."""
-        from heads.objective import head_objective
-
         return head_objective(self, batch, chunk=chunk, naive=naive)
+
+    # ---- weight init ----------------------------------------------------------------------
+    def init_weights(self) -> None:
+        """Initialize every trainable weight from the global generator, in named_parameters
+        order (heads.registry.build_head seeds it, so a seed gives the same head)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.requires_grad:
+                    self.init_parameter(name, p)
+
+    def init_parameter(self, name: str, p: nn.Parameter) -> None:
+        """The default: norms at 1, biases at 0, everything else normal(0, 0.02); heads
+        override it for the parameters they start differently."""
+        if name == "draft_lm_head":  # starts as the target's own rows of its draft vocabulary
+            p.copy_(self.frozen.weight[self.d2t_ids])
+        elif name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02)
 
     # ---- checkpoint helpers --------------------------------------------------------------
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        """Only the weights training changes: what a head checkpoint stores."""
-        return {n: p.detach() for n, p in self.named_parameters() if p.requires_grad}
+        """Only the weights training changes, and a reduced vocabulary's ids: what a head
+        checkpoint stores."""
+        state = {n: p.detach() for n, p in self.named_parameters() if p.requires_grad}
+        if self.cfg.draft_vocab_size is not None:
+            state["d2t_ids"] = self.d2t_ids
+        return state
 
     def config_dict(self) -> dict:
         return {}

@@ -1,9 +1,14 @@
-"""`HeadConfig`: which draft head, how deep its rollout, and how its loss is weighted."""
+"""`HeadConfig`: which draft head, how deep its rollout, and how its loss is weighted; and
+`HeadConfig.from_dict`, which reads the head config stored in checkpoints (older key names
+included)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 HEAD_TYPES = ("mtp", "eagle1", "eagle3", "medusa")
+# Keys stored under an older name in head checkpoints and export stamps: old -> new.
+RENAMED_KEYS = {"temperature": "distill_temperature"}
 
 
 def eagle3_aux_layers(num_layers: int) -> list[int]:
@@ -19,8 +24,11 @@ class HeadConfig:
     num_steps: K draft steps trained (the rollout depth; Medusa: K heads).
     step_weight_decay: loss weight of step k is decay**(k-1).
     feature_loss_weight / ce_loss_weight: EAGLE-1 uses 1.0 smooth-L1 on features + 0.1 CE.
-    temperature: softens both distributions in the soft cross-entropy.
-    draft_vocab_size: EAGLE-3 reduced vocabulary (None = full vocabulary, frozen lm_head).
+    distill_temperature: softens both distributions in the soft cross-entropy (the
+      distillation temperature; sampling temperature is the engine's sampling.temperature).
+    draft_vocab_size: a reduced draft vocabulary of the most frequent training tokens (None =
+        the full vocabulary); EAGLE-3 trains its own rows of it, other heads use the target's
+        frozen rows (heads/vocab.py).
     """
 
     type: str = "mtp"
@@ -28,7 +36,7 @@ class HeadConfig:
     step_weight_decay: float = 0.8
     ce_loss_weight: float = 1.0
     feature_loss_weight: float = 0.0
-    temperature: float = 1.0
+    distill_temperature: float = 1.0
     draft_vocab_size: int | None = None
     aux_layers: list[int] = field(default_factory=list)
 
@@ -39,11 +47,27 @@ class HeadConfig:
             raise ValueError(f"head.num_steps must be >= 1, got {self.num_steps}")
         if not 0 < self.step_weight_decay <= 1:
             raise ValueError(f"head.step_weight_decay must be in (0, 1], got {self.step_weight_decay}")
-        if self.temperature <= 0:
-            raise ValueError(f"head.temperature must be > 0, got {self.temperature}")
+        if self.distill_temperature <= 0:
+            raise ValueError(f"head.distill_temperature must be > 0, got {self.distill_temperature}")
         if self.ce_loss_weight < 0 or self.feature_loss_weight < 0:
             raise ValueError("head.ce_loss_weight and head.feature_loss_weight must be >= 0")
         if self.ce_loss_weight == 0 and self.feature_loss_weight == 0:
             raise ValueError("head: ce_loss_weight and feature_loss_weight cannot both be 0")
-        if self.draft_vocab_size is not None and self.type != "eagle3":
-            raise ValueError("head.draft_vocab_size is only supported by head.type=eagle3")
+        if self.type == "medusa" and self.feature_loss_weight > 0:
+            # A Medusa step passes the base feature through unchanged (heads/medusa.py): no
+            # draft output feeds a next step, so there is nothing for the feature loss to fit.
+            raise ValueError("head.feature_loss_weight must be 0 for head.type=medusa")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"head.draft_vocab_size must be >= 1 or null, got {self.draft_vocab_size}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HeadConfig":
+        """A stored head config (checkpoint config.json, export stamp) -> HeadConfig; keys
+        written under an older name (RENAMED_KEYS) are read under the new one."""
+        d = dict(d)
+        for old, new in RENAMED_KEYS.items():
+            if old in d:
+                if new in d:
+                    raise ValueError(f"head config has both {old!r} and its new name {new!r}")
+                d[new] = d.pop(old)
+        return cls(**d)

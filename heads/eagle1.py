@@ -16,8 +16,9 @@ from inference_eval.engine.model.linear import Linear
 
 
 class Eagle1Head(DraftHead):
-    def __init__(self, cfg: HeadConfig, parts: FrozenParts) -> None:
-        super().__init__(cfg, parts)
+    def __init__(self, cfg: HeadConfig, parts: FrozenParts,
+                 draft_vocab: torch.Tensor | None = None) -> None:
+        super().__init__(cfg, parts, draft_vocab)
         h = self.arch.hidden_size
         self.fc = Linear(2 * h, h, bias=True)
         self.layer = DecoderLayer(self.arch, 0, input_norm=False)
@@ -28,6 +29,8 @@ class Eagle1Head(DraftHead):
     def feature_target(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.frozen.norm(hidden)
 
-    def step(self, tokens: torch.Tensor, hidden_in: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, tokens: torch.Tensor, hidden_in: torch.Tensor, ctx,
+             k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer serves every draft step, so k is not read."""
         o = self.layer(self.fc(torch.cat([self.embed_tokens(tokens), hidden_in], -1)), ctx)
         return o, o

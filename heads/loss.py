@@ -44,6 +44,8 @@ class ChunkedSoftCE(torch.autograd.Function):
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         metrics = torch.zeros(3, dtype=torch.float32, device=x.device)
+        # Per row: [top-1 match, sum min(p, q)], for the conditional (chain) acceptance.
+        rowstats = torch.zeros(x.shape[0], 2, dtype=torch.float32, device=x.device)
         gx = torch.zeros_like(x) if want_x else None
         gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
         # Rows of weight 0 (prompt tokens, positions whose label lies past their sequence)
@@ -56,10 +58,13 @@ class ChunkedSoftCE(torch.autograd.Function):
             logq, p = _chunk_stats(xs, w, y_normed[idx], w_target, t2d, temperature)
             # Row dot products sum_v p log q without an [n, V] product temporary.
             loss -= (torch.bmm(p.unsqueeze(1), logq.unsqueeze(2)).view(-1) * rw).sum()
-            metrics[0] += (logq.argmax(-1) == p.argmax(-1)).float().sum()
+            match = (logq.argmax(-1) == p.argmax(-1)).float()
+            metrics[0] += match.sum()
             q = logq.exp_()  # logq is not needed after this: q takes its memory
-            metrics[1] += torch.minimum(p, q).sum()
+            beta = torch.minimum(p, q).sum(-1)
+            metrics[1] += beta.sum()
             metrics[2] += idx.numel()
+            rowstats.index_copy_(0, idx, torch.stack([match, beta], -1))
             if want_x or want_w:
                 # d(-sum p log softmax(z/T))/dz = (q - p) / T
                 g = q.sub_(p).mul_((rw / temperature).unsqueeze(-1))
@@ -69,11 +74,11 @@ class ChunkedSoftCE(torch.autograd.Function):
                     gw += g.t() @ xs.float()
         ctx.save_for_backward(gx, gw)
         ctx.w_dtype = w.dtype
-        ctx.mark_non_differentiable(metrics)
-        return loss, metrics
+        ctx.mark_non_differentiable(metrics, rowstats)
+        return loss, metrics, rowstats
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_metrics):
+    def backward(ctx, grad_loss, _grad_metrics, _grad_rows):
         gx, gw = ctx.saved_tensors
         gx = None if gx is None else gx * grad_loss.to(gx.dtype)
         gw = None if gw is None else (gw * grad_loss).to(ctx.w_dtype)
@@ -82,11 +87,14 @@ class ChunkedSoftCE(torch.autograd.Function):
 
 def soft_ce(x: torch.Tensor, w: torch.Tensor, y_normed: torch.Tensor, w_target: torch.Tensor,
             row_w: torch.Tensor, t2d: torch.Tensor | None = None, temperature: float = 1.0,
-            chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+            chunk: int = 1024, with_rows: bool = False):
     """x [N, H] draft features, w [V_draft, H] draft lm_head, y_normed [N, H] target features
     after the frozen final norm, w_target [V, H] frozen lm_head, row_w [N] per-row weight
-    (0 = invalid). Returns (weighted loss sum, metrics [top1 matches, sum min(p,q), rows])."""
-    return ChunkedSoftCE.apply(x, w, y_normed, w_target, row_w.float(), t2d, temperature, chunk)
+    (0 = invalid). Returns (weighted loss sum, metrics [top1 matches, sum min(p,q), rows]),
+    and with_rows: also [N, 2] per-row (top-1 match, sum min(p, q)), zero on invalid rows."""
+    loss, metrics, rows = ChunkedSoftCE.apply(x, w, y_normed, w_target, row_w.float(), t2d,
+                                              temperature, chunk)
+    return (loss, metrics, rows) if with_rows else (loss, metrics)
 
 
 def soft_ce_reference(x, w, y_normed, w_target, row_w, t2d=None, temperature=1.0):

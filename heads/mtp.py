@@ -21,8 +21,9 @@ from inference_eval.engine.model.linear import Linear
 
 
 class MTPHead(DraftHead):
-    def __init__(self, cfg: HeadConfig, parts: FrozenParts) -> None:
-        super().__init__(cfg, parts)
+    def __init__(self, cfg: HeadConfig, parts: FrozenParts,
+                 draft_vocab: torch.Tensor | None = None) -> None:
+        super().__init__(cfg, parts, draft_vocab)
         a, h = self.arch, self.arch.hidden_size
         self.enorm = RMSNorm(h, a.rms_norm_eps)
         self.hnorm = RMSNorm(h, a.rms_norm_eps)
@@ -30,7 +31,9 @@ class MTPHead(DraftHead):
         self.layer = DecoderLayer(a, 0)
         self.final_norm = RMSNorm(h, a.rms_norm_eps)
 
-    def step(self, tokens: torch.Tensor, hidden_in: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, tokens: torch.Tensor, hidden_in: torch.Tensor, ctx,
+             k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer serves every draft step, so k is not read."""
         z = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(tokens)), self.hnorm(hidden_in)], -1))
         o = self.layer(z, ctx)
         return o, self.final_norm(o)

@@ -1,45 +1,85 @@
 """The training objective over a rollout, and the teacher-forced acceptance estimates.
 
 Per step k: soft CE (average over valid tokens) weighted decay^(k-1), plus an optional
-smooth-L1 feature loss. Metrics per step: top-1 agreement (greedy expected acceptance α_k),
-E[Σ_v min(p_v, q_v)] (sampled expected acceptance), and the expected mean accepted length
-τ_exp = 1 + Σ_k Π_{j<=k} α_j (bonus token included), reported beside, never instead of, the
-engine's measured τ.
+smooth-L1 feature loss. Metrics per step: top-1 agreement over all valid rows, E[Σ_v min(p_v,
+q_v)], and the CONDITIONAL rates the engine measures: α_k = P(step k's draft = the target's
+argmax | steps 1..k-1 matched at the same position), the sampled analogue weighting each row by
+its chain's survival probability Π_{j<k} Σ min(p, q). The expected mean accepted length
+τ_exp = 1 + Σ_k Π_{j<=k} α_j (bonus token included) uses the conditional rates, the same
+definition as the engine's real τ (ARCHITECTURE: Metrics), and is reported beside, never
+instead of, the measured τ. A step that is invalid at a position (past its sequence, or a
+non-assistant label) ends that position's chain.
+
+Stats per step (STATS columns, summed over batches and ranks): loss_k, top-1 matches, Σ min
+sum, valid rows, conditional matches, conditional rows, conditional Σ min (survival weighted),
+survival weight.
+
+Like the rollout, the objective knows no head class: it reads the duck-typed attributes of
+`ObjectiveHead` (every heads.DraftHead has them), so heads/base.py can route its forward here
+without an import circle.
 """
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from heads.base import DraftHead
+from heads.batch import PackedBatch
 from heads.loss import soft_ce, soft_ce_reference
-from heads.rollout import PackedBatch, rollout
+from heads.rollout import SteppingHead, rollout
 
 
-def head_objective(head: DraftHead, batch: PackedBatch, chunk: int = 1024,
+class ObjectiveHead(SteppingHead, Protocol):
+    """What the objective reads of a head beyond the rollout's needs (see heads.base)."""
+
+    frozen: torch.nn.Module  # .norm: the target's final norm, .weight [V, H]: its lm_head
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor: ...
+
+    def draft_to_target(self) -> torch.Tensor | None: ...
+
+    def feature_target(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+STATS = 8  # columns of the per-step stats (module docstring)
+
+
+def head_objective(head: ObjectiveHead, batch: PackedBatch, chunk: int = 1024,
                    naive: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (loss, stats [K, 4]: loss_k, top-1 matches, sum min(p,q), valid rows)."""
+    """Returns (loss, stats [K, STATS])."""
     cfg = head.cfg
     outs = rollout(head, batch)
     with torch.no_grad():
         y_all = head.frozen.norm(batch.hidden)
-    t2d = head.draft_to_target()
+    w_target = head.frozen.weight
+    d2t = head.draft_to_target()
+    if d2t is not None:  # reduced vocabulary: the target's distribution renormalized over the
+        w_target = w_target.index_select(0, d2t)  # draft's tokens needs only their rows
     total = batch.hidden.new_zeros((), dtype=torch.float32)
     stats = []
+    chain_match = chain_beta = None  # per position: all earlier steps matched / survival prob
     for k, out in enumerate(outs, 1):
         valid = out.index.valid
         row_w = valid.float()
         n_valid = row_w.sum().clamp(min=1.0)
         y = y_all.index_select(0, out.index.label_rows)
         if naive:
-            ce = soft_ce_reference(out.features, head.lm_head_weight, y, head.frozen.weight, row_w,
-                                   t2d, cfg.temperature)
+            ce = soft_ce_reference(out.features, head.lm_head_weight, y, w_target, row_w,
+                                   None, cfg.distill_temperature)
             with torch.no_grad():
-                _, m = soft_ce(out.features.detach(), head.lm_head_weight.detach(), y,
-                               head.frozen.weight, row_w, t2d, cfg.temperature, chunk)
+                _, m, rows = soft_ce(out.features.detach(), head.lm_head_weight.detach(), y,
+                                     w_target, row_w, None, cfg.distill_temperature, chunk,
+                                     with_rows=True)
         else:
-            ce, m = soft_ce(out.features, head.lm_head_weight, y, head.frozen.weight, row_w, t2d,
-                            cfg.temperature, chunk)
+            ce, m, rows = soft_ce(out.features, head.lm_head_weight, y, w_target, row_w, None,
+                                  cfg.distill_temperature, chunk, with_rows=True)
+        match, beta = rows[:, 0] * row_w, rows[:, 1] * row_w
+        prior_m = row_w if chain_match is None else chain_match * row_w
+        prior_b = row_w if chain_beta is None else chain_beta * row_w
+        chain_match, chain_beta = prior_m * match, prior_b * beta
+        cond = torch.stack([chain_match.sum(), prior_m.sum(), chain_beta.sum(), prior_b.sum()])
         loss_k = cfg.ce_loss_weight * ce / n_valid
         if cfg.feature_loss_weight > 0:
             with torch.no_grad():
@@ -47,21 +87,28 @@ def head_objective(head: DraftHead, batch: PackedBatch, chunk: int = 1024,
             fl = F.smooth_l1_loss(out.next_hidden.float(), target_feat.float(), reduction="none")
             loss_k = loss_k + cfg.feature_loss_weight * (fl.mean(-1) * row_w).sum() / n_valid
         total = total + cfg.step_weight_decay ** (k - 1) * loss_k
-        stats.append(torch.cat([loss_k.detach().reshape(1), m]))
+        stats.append(torch.cat([loss_k.detach().reshape(1), m, cond.detach()]))
     return total, torch.stack(stats)
 
 
 def summarize(stats: torch.Tensor) -> dict[str, float | list[float]]:
-    """Aggregate stats [K, 4] (summed over batches/ranks) into named metrics."""
+    """Aggregate stats [K, STATS] (summed over batches/ranks) into named metrics:
+    top1_acc / exp_accept_sampled per step over all valid rows; exp_accept_greedy /
+    exp_accept_sampled_cond the conditional α_k; exp_tau_greedy / exp_tau_sampled from them."""
     rows = stats[:, 3].clamp(min=1)
     top1 = (stats[:, 1] / rows).tolist()
     soft = (stats[:, 2] / rows).tolist()
-    tau_g = tau_s = 1.0
-    run_g = run_s = 1.0
-    for a_g, a_s in zip(top1, soft):
-        run_g *= a_g
-        run_s *= a_s
-        tau_g += run_g
-        tau_s += run_s
+    cond_g = (stats[:, 4] / stats[:, 5].clamp(min=1e-9)).tolist()
+    cond_s = (stats[:, 6] / stats[:, 7].clamp(min=1e-9)).tolist()
     return {"top1_acc": top1, "exp_accept_sampled": soft,
-            "exp_tau_greedy": tau_g, "exp_tau_sampled": tau_s}
+            "exp_accept_greedy": cond_g, "exp_accept_sampled_cond": cond_s,
+            "exp_tau_greedy": chain_tau(cond_g), "exp_tau_sampled": chain_tau(cond_s)}
+
+
+def chain_tau(alphas: list[float]) -> float:
+    """τ = 1 + Σ_k Π_{j<=k} α_j for per-position (conditional) acceptance rates α."""
+    tau, run = 1.0, 1.0
+    for a in alphas:
+        run *= a
+        tau += run
+    return tau

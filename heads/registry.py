@@ -1,4 +1,5 @@
-"""Build a head from its config and the target's frozen parts."""
+"""Build a head from its config and the target's frozen parts: the head classes by type, and
+the seeded weight init each head defines for itself (`DraftHead.init_weights`)."""
 from __future__ import annotations
 
 import torch
@@ -16,20 +17,10 @@ HEADS = {"mtp": MTPHead, "eagle1": Eagle1Head, "eagle3": Eagle3Head, "medusa": M
 
 def build_head(cfg: HeadConfig, parts: FrozenParts, draft_vocab: torch.Tensor | None = None,
                seed: int = 0) -> DraftHead:
-    """Trainable weights are initialized from `seed` (normal std 0.02, norms at 1)."""
+    """Trainable weights are initialized from `seed` by the head's own init_weights (normal
+    std 0.02, norms at 1, biases at 0 unless the head says otherwise). draft_vocab: the t2d
+    ids of a reduced vocabulary [V_draft] (heads.vocab), with cfg.draft_vocab_size."""
     torch.manual_seed(seed)
-    if cfg.type == "eagle3":
-        head = Eagle3Head(cfg, parts, draft_vocab)
-    else:
-        head = HEADS[cfg.type](cfg, parts)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if not p.requires_grad or name == "draft_lm_head" or name.startswith("blocks."):
-                continue
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02)
+    head = HEADS[cfg.type](cfg, parts, draft_vocab)
+    head.init_weights()
     return head

@@ -7,33 +7,35 @@ Step k (1-based) at position t of a packed sequence (local index i, length n):
   valid when  : i + k + 1 < n and loss_mask[t+k+1]
 No index ever crosses a sequence boundary: every shifted index is checked against its own
 sequence's length before use.
+
+The rollout knows no head class: it drives any object with the `SteppingHead` attributes
+(every heads.DraftHead), so a head kind changes nothing here. Heads that do not attend
+(`attends = False`, Medusa) get ctx=None instead of a rollout attention context.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from heads.base import DraftHead
-from heads.medusa import MedusaHead
+from heads.batch import PackedBatch
+from heads.config import HeadConfig
 from heads.rollout_attention import RolloutContext, RolloutPlan
 
 
-@dataclass
-class PackedBatch:
-    """input_ids [N] int64, hidden [N, H] (target, pre-norm), aux [N, A, H] or None,
-    loss_mask [N] bool, seq_lens: lengths of the S packed sequences (sum N)."""
+class SteppingHead(Protocol):
+    """What the rollout reads of a head (heads.base.DraftHead has all of it)."""
 
-    input_ids: torch.Tensor
-    hidden: torch.Tensor
-    loss_mask: torch.Tensor
-    seq_lens: list[int]
-    aux: torch.Tensor | None = None
+    attends: bool  # False: step() never reads ctx, and the rollout passes None
+    cfg: HeadConfig  # num_steps: K
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
 
-    def to(self, device, dtype=None) -> "PackedBatch":
-        f = (lambda t: None if t is None else t.to(device, dtype))
-        return PackedBatch(self.input_ids.to(device), f(self.hidden), self.loss_mask.to(device),
-                           self.seq_lens, f(self.aux))
+    def first_hidden(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor: ...
+
+    def step(self, tokens: torch.Tensor, hidden_in: torch.Tensor, ctx,
+             k: int = 1) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -67,21 +69,17 @@ class StepOutput:
     index: StepIndex
 
 
-def rollout(head: DraftHead, batch: PackedBatch) -> list[StepOutput]:
+def rollout(head: SteppingHead, batch: PackedBatch) -> list[StepOutput]:
     """Run K = head.cfg.num_steps draft steps over a packed batch (autograd-friendly)."""
     outs = []
     hidden_in = head.first_hidden(batch.hidden, batch.aux)
-    if isinstance(head, MedusaHead):
-        for k in range(1, head.cfg.num_steps + 1):
-            f = head.medusa_step(k, hidden_in)
-            outs.append(StepOutput(f, f, step_indices(batch, k)))
-        return outs
     ctx = RolloutContext(RolloutPlan(batch.seq_lens, batch.input_ids.device),
-                         head.rope_cos, head.rope_sin)
+                         head.rope_cos, head.rope_sin) if head.attends else None
     for k in range(1, head.cfg.num_steps + 1):
         idx = step_indices(batch, k)
-        nxt, feats = head.step(idx.tokens, hidden_in, ctx)
+        nxt, feats = head.step(idx.tokens, hidden_in, ctx, k=k)
         outs.append(StepOutput(feats, nxt, idx))
         hidden_in = nxt
-        ctx.next_step()
+        if ctx is not None:
+            ctx.next_step()
     return outs

@@ -37,7 +37,7 @@ class GenerateConfig:
 def read_prompts(path: str) -> list:
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"prompts_file {p} does not exist")
+        raise FileNotFoundError(f"prompts_file {p} does not exist; check prompts_file")
     if p.suffix != ".jsonl":
         return [line for line in p.read_text().splitlines() if line.strip()]
     out = []
@@ -58,10 +58,11 @@ def read_prompts(path: str) -> list:
 
 
 def main(cfg: GenerateConfig) -> list:
+    # Prompts first: a bad line fails in a second, not after loading the target.
+    prompts = list(cfg.prompts) + (read_prompts(cfg.prompts_file) if cfg.prompts_file else [])
     device = cfg.engine.resolve_device()
     loaded = load_target(cfg.target, device=device)
     engine = LLMEngine(loaded.model, loaded.tokenizer, cfg.engine)
-    prompts = list(cfg.prompts) + (read_prompts(cfg.prompts_file) if cfg.prompts_file else [])
     t0 = time.perf_counter()
     results = engine.generate(prompts, cfg.sampling, chat=cfg.chat)
     dt = time.perf_counter() - t0

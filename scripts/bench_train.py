@@ -70,7 +70,7 @@ def make_batch(args, vocab: int, hidden: int):
     """PackedBatch of exactly args.tokens tokens."""
     import torch
 
-    from heads.rollout import PackedBatch
+    from heads.batch import PackedBatch
 
     if args.shards:  # the first sequences of the shards, the last one cut to fit
         from train.data import ShardStore

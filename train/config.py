@@ -46,10 +46,33 @@ class OptimConfig:
 
 
 @dataclass
+class StageConfig:
+    """One stage of a staged rollout schedule: train with K = num_steps draft steps for this
+    fraction of the optimizer steps (stages run in order; fractions sum to 1)."""
+
+    num_steps: int = 1
+    fraction: float = 1.0
+
+
+@dataclass
 class TrainerConfig:
+    """max_steps: optimizer steps, unless epochs is set: then steps = epochs x shard tokens /
+    (batch_tokens x world x grad_accum). stages: a staged K schedule (e.g. K=1 then K=4 from
+    that warm start); empty = head.num_steps throughout. init_from: a head checkpoint (ours or
+    any format heads.formats reads) whose weights start this run (weights only: optimizer,
+    schedule and data start fresh). init_from_target: start the head's decoder layer and final
+    norm from the target's last layer (mtp, eagle1). early_stop_patience: stop after this many
+    validations in a row without a better real τ (0 = never); the best head by real τ is kept
+    in output_dir/checkpoints/best either way."""
+
     strategy: str = "auto"  # auto: ddp under torchrun, none otherwise
     mixed_precision: str = "auto"  # auto: bf16 on CUDA with bf16 support, else no
     max_steps: int = 200  # optimizer steps
+    epochs: float | None = None
+    stages: list[StageConfig] = field(default_factory=list)
+    init_from: str | None = None
+    init_from_target: bool = False
+    early_stop_patience: int = 0
     seed: int = 0
     log_every: int = 10
     save_every: int = 100
@@ -75,6 +98,20 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{key} must be >= 1, got {getattr(self, key)}")
         if self.device not in DEVICES:
             raise ValueError(f"trainer.device={self.device!r}: use one of {DEVICES}")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError(f"trainer.epochs must be > 0 (or null to use max_steps), got {self.epochs}")
+        if self.early_stop_patience < 0:
+            raise ValueError(f"trainer.early_stop_patience must be >= 0, got {self.early_stop_patience}")
+        if self.init_from is not None and self.init_from_target:
+            raise ValueError("trainer.init_from and trainer.init_from_target both set: start from "
+                             "a head checkpoint or from the target's layer, not both")
+        if self.stages:
+            self.stages = [s if isinstance(s, StageConfig) else StageConfig(**s) for s in self.stages]
+            if any(s.num_steps < 1 or s.fraction <= 0 for s in self.stages):
+                raise ValueError("trainer.stages: every stage needs num_steps >= 1 and fraction > 0")
+            total = sum(s.fraction for s in self.stages)
+            if abs(total - 1.0) > 1e-6:
+                raise ValueError(f"trainer.stages: fractions sum to {total:g}, they must sum to 1")
 
 
 @dataclass
@@ -83,8 +120,10 @@ class ValidationConfig:
 
     tau_prompts: the first user turns of this many of those conversations (at most
     num_conversations) are decoded with real speculative decoding (greedy, a chain of
-    head.num_steps drafts) for the measured τ; 0 disables it. tau_max_new_tokens: tokens
-    generated per prompt."""
+    tau_num_draft drafts, default head.num_steps) for the measured τ; 0 disables it. With
+    tau_prompts_path, the first tau_prompts prompts of that prompt set (heldout_mix: many
+    categories) or file (any format `python -m inference_eval prompts=jsonl` reads) instead.
+    tau_max_new_tokens: tokens generated per prompt."""
 
     enabled: bool = True
     num_conversations: int = 8
@@ -93,6 +132,8 @@ class ValidationConfig:
     path: str | None = None  # another ShareGPT/JSONL file instead of the embedded one
     tau_prompts: int = 4
     tau_max_new_tokens: int = 32
+    tau_num_draft: int | None = None  # chain K of the real-τ run; None = head.num_steps
+    tau_prompts_path: str | None = None  # a prompt set name (heldout_mix) or a prompt JSONL
 
     def __post_init__(self) -> None:
         for key in ("num_conversations", "max_length", "tau_max_new_tokens"):
@@ -100,6 +141,8 @@ class ValidationConfig:
                 raise ValueError(f"validation.{key} must be >= 1, got {getattr(self, key)}")
         if self.tau_prompts < 0:
             raise ValueError(f"validation.tau_prompts must be >= 0 (0 = off), got {self.tau_prompts}")
+        if self.tau_num_draft is not None and self.tau_num_draft < 1:
+            raise ValueError(f"validation.tau_num_draft must be >= 1, got {self.tau_num_draft}")
 
 
 @dataclass
@@ -112,3 +155,12 @@ class TrainConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     output_dir: str = "runs/head"
+
+    def __post_init__(self) -> None:
+        stages = self.trainer.stages
+        if stages and self.head.type == "medusa":
+            raise ValueError("trainer.stages: a medusa head's K is its number of heads and cannot "
+                             "change during training; set head.num_steps instead")
+        if stages and stages[-1].num_steps != max(s.num_steps for s in stages):
+            raise ValueError("trainer.stages: the last stage must have the largest num_steps (the "
+                             "head is saved with it)")

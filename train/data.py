@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from heads.rollout import PackedBatch
+from heads.batch import PackedBatch
 from precompute.manifest import Manifest
 from precompute.plan import plan_shards
 from precompute.shard_io import Shard, read_shard

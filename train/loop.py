@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from heads.eagle3 import build_draft_vocab
 from heads.frozen import load_frozen
-from heads.objective import summarize
+from heads.objective import STATS, summarize
 from heads.registry import build_head
+from heads.vocab import build_draft_vocab
+from inference_eval.engine.target import load_target
 from train.config import TrainConfig
 from train.data import MicroBatchStream, ShardStore
 from train.distributed import make_accelerator
@@ -23,6 +24,8 @@ from train.precision import cast_for_training
 from train.schedule import make_optimizer, make_scheduler
 from train.state import (RunShape, latest_checkpoint, load_training_state, save_final_head,
                          save_training_state)
+from train.recipe import init_from_target_layer, rollout_depth, steps_from_epochs, warm_start
+from train.selection import Selection
 from train.validate import Validator
 
 
@@ -42,8 +45,24 @@ def prepare(cfg: TrainConfig):
         ids = torch.cat([s.input_ids for s in store.shards])
         mask = torch.cat([s.loss_mask for s in store.shards])
         vocab = build_draft_vocab(ids, mask, parts.arch.vocab_size, head_cfg.draft_vocab_size)
+    if cfg.trainer.stages:  # saved with the last stage's K; the loop sets K per step
+        head_cfg = replace(head_cfg, num_steps=cfg.trainer.stages[-1].num_steps)
     head = build_head(head_cfg, parts, draft_vocab=vocab, seed=cfg.trainer.seed)
+    if cfg.trainer.init_from is not None:
+        warm_start(head, cfg.trainer.init_from, parts)
+    elif cfg.trainer.init_from_target:
+        target = load_target(cfg.target, with_tokenizer=False).model
+        init_from_target_layer(head, target.layers[-1].state_dict(), target.norm.weight)
+        del target
     return store, parts, head
+
+
+def total_steps(cfg: TrainConfig, store: ShardStore, micro_batches_per_step: int) -> int:
+    tc = cfg.trainer
+    if tc.epochs is None:
+        return tc.max_steps
+    batches = len(store.batches(cfg.data.batch_tokens, tc.seed, 0))
+    return steps_from_epochs(tc.epochs, batches, micro_batches_per_step)
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -53,10 +72,12 @@ def train(cfg: TrainConfig) -> dict:
     ck_root = out / "checkpoints"
     tc, oc = cfg.trainer, cfg.optim
     shape = RunShape(acc.num_processes, oc.grad_accum, cfg.data.batch_tokens, tc.seed, strategy)
+    max_steps = total_steps(cfg, store, shape.micro_batches_per_step)
+    final_k = head.cfg.num_steps
     head = cast_for_training(head, acc.mixed_precision)
     trainable = list(head.trainable_state())
     opt = make_optimizer([p for p in head.parameters() if p.requires_grad], oc)
-    sched = make_scheduler(opt, oc, tc.max_steps)
+    sched = make_scheduler(opt, oc, max_steps)
     start, position, resume = 0, 0, None
     ck = latest_checkpoint(ck_root)
     if ck is not None:
@@ -80,12 +101,22 @@ def train(cfg: TrainConfig) -> dict:
     stream = MicroBatchStream(store, cfg.data.batch_tokens, tc.seed, acc.process_index,
                               acc.num_processes, position=position)
     logger = MetricLogger(cfg, out, enabled=acc.is_main_process)
-    k_steps = head.cfg.num_steps
-    bar = tqdm(total=tc.max_steps, initial=start, desc="train", disable=not (tc.progress and acc.is_main_process))
-    window = torch.zeros(k_steps, 4)
+    selection = Selection(out, tc.early_stop_patience) if acc.is_main_process else None
+    bar = tqdm(total=max_steps, initial=start, desc="train", disable=not (tc.progress and acc.is_main_process))
+    window = None
     t0, tokens, micro = time.perf_counter(), 0, 0
+    seen = position * cfg.data.batch_tokens  # token budget passed, for the acceptance curve
     last = {}
-    for step in range(start, tc.max_steps):
+    done = start
+    for step in range(start, max_steps):
+        k = rollout_depth(tc.stages, step, max_steps, final_k)
+        if window is not None and window.shape[0] != k:  # a stage boundary: log what it did
+            if micro:
+                last = log_window(acc, logger, bar, window, micro, tokens, t0, sched, step)
+            window = None
+        if window is None:
+            head.cfg.num_steps = k
+            window, micro = torch.zeros(k, STATS), 0
         for _ in range(oc.grad_accum):
             batch = store.collate(stream.next()).to(acc.device)
             # accelerate divides the loss by grad_accum (DeepSpeed's engine does it itself) and
@@ -96,6 +127,7 @@ def train(cfg: TrainConfig) -> dict:
             window += stats.detach().cpu()
             micro += 1
             tokens += batch.input_ids.numel()
+        seen += cfg.data.batch_tokens * shape.micro_batches_per_step
         if oc.grad_clip > 0:
             acc.clip_grad_norm_(model.parameters(), oc.grad_clip)
         opt.step()
@@ -103,27 +135,30 @@ def train(cfg: TrainConfig) -> dict:
         opt.zero_grad(set_to_none=True)
         bar.update(1)
         done = step + 1
-        if done % tc.log_every == 0 or done == tc.max_steps:
-            stats_all = acc.reduce(window.to(acc.device), reduction="sum").cpu()
-            # mean over every micro-batch of every rank since the last log
-            last = {"step": done, "loss": float(stats_all[:, 0].mean() / (micro * acc.num_processes)),
-                    "lr": sched.get_last_lr()[0],
-                    "tokens_per_s": tokens * acc.num_processes / (time.perf_counter() - t0),
-                    **summarize(stats_all)}
-            logger.log(last)
-            bar.set_postfix(loss=f"{last['loss']:.3f}", top1=f"{last['top1_acc'][0]:.3f}")
+        if done % tc.log_every == 0 or done == max_steps:
+            last = log_window(acc, logger, bar, window, micro, tokens, t0, sched, done)
             window.zero_()
             micro = 0
-        if done % tc.save_every == 0 or done == tc.max_steps:  # a collective: every rank
-            save_training_state(ck_root, done, full, sched, stream.position, shape, last)
-        if cfg.validation.enabled and (done % tc.eval_every == 0 or done == tc.max_steps):
-            val = evaluate(validator, full, parts, acc)
+        stop = False
+        if cfg.validation.enabled and (done % tc.eval_every == 0 or done == max_steps):
+            head.cfg.num_steps = final_k  # validate and select the head as it will be saved
+            val, val_head = evaluate(validator, full, parts, acc)
+            head.cfg.num_steps = k
             if val is not None:
-                logger.log({"step": done, **{f"val/{k}": v for k, v in val.items()}})
+                logger.log({"step": done, **{f"val/{n}": v for n, v in val.items()}})
                 bar.write(validation_line(done, val))
+                stop = selection.update(done, seen, val, val_head)
+            stop = bool(acc.reduce(torch.tensor([float(stop)], device=acc.device), "sum").item())
+        if done % tc.save_every == 0 or done == max_steps or stop:  # a collective: every rank
+            save_training_state(ck_root, done, full, sched, stream.position, shape, last)
+        if stop:
+            bar.write(f"early stop at step {done}: real τ did not improve for "
+                      f"{tc.early_stop_patience} validations (best: {selection.best if selection else '?'})")
+            break
     bar.close()
+    head.cfg.num_steps = final_k
     acc.wait_for_everyone()
-    save_final_head(full, out, extra={"train": {"steps": tc.max_steps, "strategy": strategy,
+    save_final_head(full, out, extra={"train": {"steps": done, "strategy": strategy,
                                                 "shards": str(cfg.data.shards), "metrics": last}})
     if acc.is_main_process:
         (out / "train_metrics.json").write_text(json.dumps(logger.history, indent=1))
@@ -132,9 +167,22 @@ def train(cfg: TrainConfig) -> dict:
     return last
 
 
-def evaluate(validator: Validator | None, full: FullState, parts, acc) -> dict | None:
-    """Collective under FSDP (the head is gathered into a full copy on rank 0); the metrics
-    on rank 0, None elsewhere."""
+def log_window(acc, logger, bar, window: torch.Tensor, micro: int, tokens: int, t0: float,
+               sched, step: int) -> dict:
+    """Log the mean over every micro-batch of every rank since the last log (a collective)."""
+    stats_all = acc.reduce(window.to(acc.device), reduction="sum").cpu()
+    last = {"step": step, "loss": float(stats_all[:, 0].mean() / (max(micro, 1) * acc.num_processes)),
+            "lr": sched.get_last_lr()[0], "rollout_k": window.shape[0],
+            "tokens_per_s": tokens * acc.num_processes / (time.perf_counter() - t0),
+            **summarize(stats_all)}
+    logger.log(last)
+    bar.set_postfix(loss=f"{last['loss']:.3f}", top1=f"{last['top1_acc'][0]:.3f}")
+    return last
+
+
+def evaluate(validator: Validator | None, full: FullState, parts, acc):
+    """Collective under FSDP (the head is gathered into a full copy on rank 0). Returns
+    (metrics, the full head they were measured on) on rank 0, (None, None) elsewhere."""
     head = full.module
     if full.strategy == "fsdp":
         weights = full.head_weights()
@@ -145,7 +193,7 @@ def evaluate(validator: Validator | None, full: FullState, parts, acc) -> dict |
             head.load_state_dict(weights, strict=False)
     metrics = validator(head, autocast=acc.autocast) if validator is not None else None
     acc.wait_for_everyone()
-    return metrics
+    return metrics, (head if validator is not None else None)
 
 
 def validation_line(step: int, val: dict) -> str:

@@ -18,9 +18,9 @@ from typing import Callable
 import torch
 
 from heads.base import DraftHead
+from heads.batch import PackedBatch
 from heads.checkpoint import save_head
 from heads.objective import summarize
-from heads.rollout import PackedBatch
 from inference_eval.engine.attention import BatchLayout
 from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
 from inference_eval.engine.kv_cache import KVCache
@@ -47,7 +47,10 @@ class Validator:
         # assistant header included), as token ids, so the engine sees exactly these tokens.
         firsts = [(r, r.loss_mask.index(1)) for r in self.records if 1 in r.loss_mask]
         self.tau_prompts = [list(r.input_ids[:i]) for r, i in firsts if i > 0][:v.tau_prompts]
+        if v.tau_prompts_path is not None and v.tau_prompts:
+            self.tau_prompts = _file_prompts(v.tau_prompts_path, self.loaded.tokenizer, v.tau_prompts)
         self.tau_max_new_tokens = v.tau_max_new_tokens
+        self.tau_k = v.tau_num_draft
 
     def __call__(self, head: DraftHead,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -120,7 +123,7 @@ class Validator:
         from inference_eval.evaluation.metrics import summarize as summarize_outputs
         from inference_eval.engine.sampling import SamplingParams
 
-        k = head.cfg.num_steps
+        k = self.tau_k or head.cfg.num_steps
         with tempfile.TemporaryDirectory(prefix="specheads_val_head_") as tmp:
             save_head(head, tmp)
             draft = DraftConfig(kind="head", name="val", checkpoint=tmp, scheme="chain", num_draft=k)
@@ -137,6 +140,19 @@ class Validator:
                 "real_draft_steps": s["draft_steps"],
                 "real_generated_tokens": s["generated_tokens"],
                 "real_num_prompts": len(outputs), "real_num_errors": s["num_errors"]}
+
+
+def _file_prompts(source: str, tokenizer, limit: int) -> list[list[int]]:
+    """First turns of the first `limit` prompts of a prompt set (heldout_mix, humaneval,
+    sharegpt_heldout) or a prompt JSONL file, chat-templated to token ids the way the eval CLI
+    encodes them."""
+    from inference_eval.engine.prompt_encoding import encode_prompt
+    from inference_eval.evaluation.prompts import PROMPT_SETS, PromptsConfig, load_prompts
+
+    named = source in PROMPT_SETS and source != "jsonl"
+    cfg = PromptsConfig(name=source, limit=limit, per_category=max(1, limit // 10)) if named \
+        else PromptsConfig(name="jsonl", path=source, limit=limit)
+    return [encode_prompt(tokenizer, it.turns[0]) for it in load_prompts(cfg)]
 
 
 def _rollout_ctx(head: DraftHead, n: int):

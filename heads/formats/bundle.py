@@ -1,26 +1,25 @@
 """`HeadBundle`: a draft head between file formats (its config, the layer's shapes, the target
-it belongs to and its trainable tensors in OUR names), plus what every format shares: reading
-our checkpoint, writing a directory, the Llama layer config, turning a bundle into a head.
+it belongs to and its trainable tensors in OUR names), plus the file-level helpers every
+format shares: reading a config and safetensors, writing a directory, the Llama layer config,
+the export stamps, the shape checks.
 
-Exporters read a bundle straight from our checkpoint without building the target (a 70B
+Exporters read a bundle straight from a checkpoint without building the target (a 70B
 target costs nothing to export a head for); importers produce a bundle from a foreign
-directory and `to_head` puts it on the target's frozen parts.
+directory, and heads.formats.specheads.to_head puts it on the target's frozen parts. This
+module builds no head: it sits below every format module, ours included.
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from heads.base import DraftHead
-from heads.config import HeadConfig, eagle3_aux_layers
-from heads.frozen import FrozenParts
+from heads.config import HeadConfig
 from inference_eval.engine.model.arch import ModelArch
-from inference_eval.engine.model.rope import rope_inv_freq, rope_tables
 
 # Layer shapes a head must share with its target: our head's layer is built from the target's
 # ModelArch, so a foreign head with other sizes cannot be expressed.
@@ -44,20 +43,6 @@ class HeadBundle:
     source: str
     embed: torch.Tensor | None = None
     lm_head: torch.Tensor | None = None
-
-
-def read_specheads(path: str | Path) -> HeadBundle:
-    """Our checkpoint directory (format specheads-head-v1) -> bundle, without the target."""
-    from safetensors.torch import load_file
-
-    from heads.checkpoint import read_head_config
-
-    meta = read_head_config(path)
-    weights = Path(path) / "model.safetensors"
-    if not weights.is_file():
-        raise FileNotFoundError(f"head checkpoint {path} has no model.safetensors")
-    return HeadBundle(HeadConfig(**meta["head"]), ModelArch(**meta["arch"]), meta.get("target", {}),
-                      load_file(str(weights)), str(path))
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -132,7 +117,7 @@ def cfg_from_stamp(stamp: dict[str, Any] | None, kind: str, **truth: Any) -> Hea
     """HeadConfig from an exported `specheads_head` (if it is for the same head type), with
     the fields the format itself states (`truth`) taking precedence."""
     base = dict(stamp) if stamp and stamp.get("type") == kind else {"type": kind}
-    return HeadConfig(**{**base, **truth})
+    return HeadConfig.from_dict({**base, **truth})
 
 
 def llama_layer_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
@@ -187,38 +172,3 @@ def check_compatible(arch: ModelArch, target: ModelArch, source: str) -> None:
         if mine != theirs:
             raise ValueError(f"{source}: the head has {f}={mine}, but the target has "
                              f"{f}={theirs}; a head only loads onto the target it was trained for")
-
-
-def to_head(bundle: HeadBundle, parts: FrozenParts) -> DraftHead:
-    """Put a bundle on the target's frozen parts -> a DraftHead ready to evaluate or train."""
-    from heads.checkpoint import head_from_state
-
-    check_compatible(bundle.arch, parts.arch, bundle.source)
-    for what, mine, theirs in (("embed_tokens", bundle.embed, parts.embed),
-                               ("lm_head", bundle.lm_head, parts.lm_head)):
-        if mine is not None and not torch.equal(mine.to(theirs.dtype), theirs):
-            raise ValueError(f"{bundle.source}: the checkpoint carries its own {what}, which "
-                             f"differs from the target's; our heads use the target's frozen {what}")
-    cfg = bundle.cfg
-    if cfg.type == "eagle3" and not cfg.aux_layers:  # the engines' default = precompute's
-        cfg = replace(cfg, aux_layers=eagle3_aux_layers(parts.arch.num_layers))
-    bad = [i for i in cfg.aux_layers if not 0 <= i < parts.arch.num_layers]
-    if bad:
-        raise ValueError(f"{bundle.source}: auxiliary layers {bad} do not exist in a "
-                         f"{parts.arch.num_layers}-layer target")
-    head = head_from_state(cfg, bundle.state, parts, bundle.source)
-    _adopt_rope(head, bundle.arch)
-    return head
-
-
-def _adopt_rope(head: DraftHead, arch: ModelArch) -> None:
-    """Foreign heads are often served with their own rope (EAGLE-3 Llama-3.1 heads ship
-    without the target's llama3 scaling); use what the engines use, so our numbers are theirs."""
-    a = head.arch
-    if (arch.rope_theta, arch.rope_scaling) == (a.rope_theta, a.rope_scaling):
-        return
-    cos, sin = rope_tables(rope_inv_freq(a.head_dim, arch.rope_theta, arch.rope_scaling),
-                           head.rope_cos.shape[0])
-    head.rope_cos.copy_(cos)
-    head.rope_sin.copy_(sin)
-    head.arch = replace(a, rope_theta=arch.rope_theta, rope_scaling=arch.rope_scaling)

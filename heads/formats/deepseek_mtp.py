@@ -44,6 +44,11 @@ _OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
 def export(bundle: HeadBundle, out: Path, target_dir: Path | None = None,
            copy: bool = False) -> Path:
     """Write OUT as described above; `target_dir` is the target's HF directory."""
+    if bundle.cfg.draft_vocab_size is not None:
+        raise ValueError(f"{bundle.source}: the head drafts over a reduced vocabulary of "
+                         f"{bundle.cfg.draft_vocab_size} tokens, which a DeepSeek MTP layer (it "
+                         "shares the target's full lm_head) cannot express; train it with "
+                         "head.draft_vocab_size=null to export it, or keep it in the specheads format")
     if target_dir is None:
         raise ValueError(f"format {NAME!r} stitches the head into the target checkpoint: "
                          "pass target_dir (--target-dir), the target's HF directory")

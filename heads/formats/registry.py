@@ -1,5 +1,8 @@
-"""Which formats exist, which heads each can hold, and the one place that detects a foreign
-directory's format from its config keys (used by heads.checkpoint.load_head and the CLI)."""
+"""Which formats exist, which heads each can hold, and the one place that detects a head
+directory's format from its config keys; reading any format into a HeadBundle, importing it
+as a head and exporting to a foreign format. heads.checkpoint (save_head, read_head_config,
+load_head) and the CLI (python -m train.export) dispatch through here; our own format lives
+in heads/formats/specheads.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,13 +11,18 @@ from typing import Any
 
 import torch
 
+import heads.formats.deepseek_mtp as deepseek_mtp
+import heads.formats.eagle1 as eagle1
+import heads.formats.eagle3 as eagle3
+import heads.formats.specheads as specheads
+import heads.formats.speculators as speculators
 from heads.base import DraftHead
+from heads.formats.bundle import HeadBundle, read_config
 from heads.frozen import FrozenParts
-from heads.formats import deepseek_mtp, eagle1, eagle3, speculators
-from heads.formats.bundle import HeadBundle, read_specheads, to_head
 
-# Detection order matters: a speculators config is also an EAGLE-3 one in spirit, and only
-# its speculators_model_type key tells them apart.
+# Foreign formats only (ours, `specheads`, is detected first). Detection order matters: a
+# speculators config is also an EAGLE-3 one in spirit, and only its speculators_model_type
+# key tells them apart.
 FORMATS: dict[str, ModuleType] = {"speculators": speculators, "eagle3": eagle3,
                                   "eagle1": eagle1, "deepseek_mtp": deepseek_mtp}
 
@@ -64,11 +72,9 @@ def export_head(checkpoint: str | Path, fmt: str, out: str | Path, *, verifier: 
 
 def detect_format(path: str | Path, cfg: dict[str, Any] | None = None) -> str | None:
     """'specheads', a name in FORMATS, or None, from the directory's config.json keys."""
-    from heads.formats.bundle import read_config
-
     cfg = read_config(Path(path)) if cfg is None else cfg
-    if cfg.get("format") == "specheads-head-v1":
-        return "specheads"
+    if specheads.detect(cfg):
+        return specheads.NAME
     return next((name for name, fmt in FORMATS.items() if fmt.detect(cfg)), None)
 
 
@@ -80,19 +86,19 @@ def read_foreign(path: str | Path, fmt: str | None = None) -> HeadBundle:
         raise ValueError(f"{path}: config.json matches none of the formats "
                          f"{['specheads', *FORMATS]} (no specheads format key, "
                          "speculators_model_type, EAGLE architecture or num_nextn_predict_layers)")
-    return read_specheads(path) if fmt == "specheads" else FORMATS[fmt].read(path)
+    return specheads.read(path) if fmt == specheads.NAME else FORMATS[fmt].read(path)
 
 
 def import_head(path: str | Path, parts: FrozenParts, fmt: str | None = None) -> DraftHead:
     """A head directory in any known format -> our DraftHead on the target's frozen parts."""
-    return to_head(read_foreign(path, fmt), parts)
+    return specheads.to_head(read_foreign(path, fmt), parts)
 
 
 def foreign_head_config(path: Path, cfg: dict[str, Any]) -> dict[str, Any] | None:
     """What read_head_config reports for a foreign directory: format, head type and the target
     it names (if the file says); None when the format is unknown."""
     fmt = detect_format(path, cfg)
-    if fmt is None or fmt == "specheads":
+    if fmt is None or fmt == specheads.NAME:
         return None
     kind = FORMATS[fmt].HEAD_TYPES[0]
     return {"format": fmt, "head": {"type": kind}, "target": cfg.get("specheads_target") or {}}

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from heads.formats import eagle3
+import heads.formats.eagle3 as eagle3
 from heads.formats.bundle import (HeadBundle, arch_from_config, cfg_from_stamp, dtype_name,
                                  head_stamp, llama_layer_config, read_config, read_tensors,
                                  target_stamp, write_dir)

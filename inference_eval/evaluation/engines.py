@@ -1,13 +1,14 @@
 """Building the engine a run asks for: the autoregressive baseline, or a speculative engine
-with a head checkpoint (ours or a foreign format) or a small LLM as its drafter. This is where
-heads meet the engine; the engine itself never imports heads."""
+with a head checkpoint (ours or a foreign format: MTP/EAGLE heads as `HeadDrafter`, Medusa
+heads as `MedusaDrafter`) or a small LLM as its drafter. This is where heads meet the engine;
+the engine itself never imports heads."""
 from __future__ import annotations
 
 from heads.checkpoint import load_head, read_head_config
 from heads.frozen import FrozenParts
 from inference_eval.engine.config import EngineConfig
 from inference_eval.engine.llm_engine import LLMEngine
-from inference_eval.engine.speculative.drafters import HeadDrafter, LLMDrafter
+from inference_eval.engine.speculative.drafters import HeadDrafter, LLMDrafter, MedusaDrafter
 from inference_eval.engine.speculative.spec_engine import SpecEngine
 from inference_eval.engine.speculative.tree_engine import TreeSpecEngine
 from inference_eval.engine.target import LoadedTarget, load_target
@@ -45,7 +46,14 @@ def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg)
                              f"{meta['target'].get('name')!r} with other embedding/lm_head weights "
                              f"than {loaded.identity['name']!r}; train a head for this target")
         head = load_head(draft_cfg.checkpoint, frozen_parts_of(loaded))
-        make = lambda pages, ps, dev, dt: HeadDrafter(head, pages, ps, dev, dt)  # noqa: E731
+        if not head.attends:  # Medusa: no token input, no KV cache, so no tree either
+            if scheme == "tree":
+                raise ValueError(f"draft.scheme=tree needs draft=head with an MTP/EAGLE head; "
+                                 f"{draft_cfg.checkpoint} holds a {head.cfg.type!r} head (no "
+                                 "token input to grow a tree from): use scheme=chain")
+            make = lambda pages, ps, dev, dt: MedusaDrafter(head, dev, dt)  # noqa: E731
+        else:
+            make = lambda pages, ps, dev, dt: HeadDrafter(head, pages, ps, dev, dt)  # noqa: E731
     elif kind == "llm":
         draft = load_target(draft_cfg.llm, device=next(loaded.model.parameters()).device,
                             with_tokenizer=False).model

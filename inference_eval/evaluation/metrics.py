@@ -8,6 +8,9 @@ Inputs are `TurnOutput`s: one per (prompt, turn), carrying the engine's per-step
 - per_position_accept_rate α_k = P(draft k accepted | drafts 1..k-1 accepted), k = 1..K.
   Position k is *attempted* in a step when proposed >= k and accepted >= k-1, and
   *accepted* when accepted >= k (acceptance is a prefix, so accepted >= k implies the rest).
+  The engine's proposed[s] is what the step judged: a chain's drafts; a tree's depths on the
+  verified path (a depth the pruned tree never reached there is not attempted); and when an
+  EOS among the drafts ends the request, only the drafts up to it (in accepted[s] too).
 
 Worked example, one request, K = 3, three steps with (proposed, accepted) = (3,2), (3,0), (3,3):
     tokens = 3 + 1 + 4 = 8, steps = 3, τ = 8/3; hist = [1, 0, 1, 1]

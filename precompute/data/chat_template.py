@@ -17,6 +17,11 @@ that is not prefix-stable (one that rewrites earlier turns, e.g. strips reasonin
 to finding each assistant content verbatim in the full render, left to right, extended by the
 end-of-turn marker read off a two-turn probe render.
 
+A conversation marked `truncated` (its last answer was cut at a token limit) ends that last
+span at the answer's content: the template still renders an end-of-turn marker after it, but
+the target never emitted one there, so teaching the head to predict it would be teaching a
+false stop.
+
 Tokens are then taken from ONE tokenization of the full render (offsets mapping), so the ids
 are exactly what `apply_chat_template(..., tokenize=True)` gives, and a token is masked when its
 characters overlap a span. Truncation to max_length cuts ids and mask together.
@@ -74,12 +79,15 @@ def _prefix_span(tokenizer, messages: list[dict], i: int, full: str) -> tuple[in
 
 
 def assistant_char_spans(
-    tokenizer, messages: list[dict], full: str, *, record_id: str, stop_at: int | None = None
+    tokenizer, messages: list[dict], full: str, *, record_id: str, stop_at: int | None = None,
+    open_last: bool = False,
 ) -> list[tuple[int, int]]:
     """Character spans [start, end) of each assistant turn (content + end-of-turn) in `full`.
 
     messages: the turns as `apply_chat_template` takes them; full: their complete render.
     stop_at: skip turns starting at or after this character (they fall past max_length).
+    open_last: the last message is an answer cut at a token limit; its span stops at its
+    content (no end-of-turn marker).
     Raises ValueError naming the record when an assistant turn cannot be located.
     """
     spans: list[tuple[int, int]] = []
@@ -108,11 +116,24 @@ def assistant_char_spans(
             if marker and full.startswith(marker, end):
                 end += len(marker)
             span = (k, end)
+        if open_last and i == len(messages) - 1:
+            span = (span[0], _content_end(full, m["content"], span))
         if stop_at is not None and span[0] >= stop_at:
             break
         spans.append(span)
         cursor = span[1]
     return spans
+
+
+def _content_end(full: str, content: str, span: tuple[int, int]) -> int:
+    """End of an answer's content inside its span, the end-of-turn marker left out: all of
+    it when the template renders it verbatim (a cut answer's trailing space is the target's
+    output too), else its stripped text."""
+    if full.startswith(content, span[0]):
+        return span[0] + len(content)
+    text = content.strip()
+    k = full.rfind(text, span[0], span[1])
+    return span[1] if k < 0 else k + len(text)
 
 
 def _mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
@@ -155,15 +176,17 @@ def _render_conversation(
 
 
 def _masked_record(
-    tokenizer, conv_id: str, messages: list[dict], full: str, enc, max_length: int
+    tokenizer, conv_id: str, messages: list[dict], full: str, enc, max_length: int,
+    open_last: bool = False,
 ) -> TokenizedRecord:
-    """Truncate one encoding of `full` and mask it."""
+    """Truncate one encoding of `full` and mask it (open_last: see assistant_char_spans)."""
     input_ids = list(enc["input_ids"])
     offsets = [tuple(o) for o in enc["offset_mapping"]]
     truncated = max(0, len(input_ids) - max_length)
     input_ids, offsets = input_ids[:max_length], offsets[:max_length]
     stop_at = offsets[-1][1] if truncated and offsets else None
-    spans = assistant_char_spans(tokenizer, messages, full, record_id=conv_id, stop_at=stop_at)
+    spans = assistant_char_spans(tokenizer, messages, full, record_id=conv_id, stop_at=stop_at,
+                                 open_last=open_last)
     return TokenizedRecord(
         conv_id, input_ids, _mask_from_offsets(offsets, spans), truncated_tokens=truncated
     )
@@ -182,7 +205,7 @@ def tokenize_conversation(
     _check_fast(tokenizer)
     messages, full = _render_conversation(tokenizer, conv, system_prompt)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    return _masked_record(tokenizer, conv.id, messages, full, enc, max_length)
+    return _masked_record(tokenizer, conv.id, messages, full, enc, max_length, conv.truncated)
 
 
 def tokenize_conversations(
@@ -210,7 +233,8 @@ def tokenize_conversations(
         )
         for k, (conv, (messages, full)) in enumerate(zip(batch, rendered)):
             enc = {"input_ids": encs["input_ids"][k], "offset_mapping": encs["offset_mapping"][k]}
-            record = _masked_record(tokenizer, conv.id, messages, full, enc, max_length)
+            record = _masked_record(tokenizer, conv.id, messages, full, enc, max_length,
+                                    conv.truncated)
             problem = check_tokenized(record, max_length)
             if problem is not None:
                 if rejected is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SOURCES = ("sharegpt", "jsonl", "hf")
+SOURCES = ("sharegpt", "jsonl", "hf", "mix")
 # ShareGPT records from here on are held out: validation and the sharegpt_heldout prompts
 # read them, the default training slices (limit < 17,000) never reach them.
 HELDOUT_SKIP = 17000
@@ -29,9 +29,11 @@ class DataConfig:
     skip: first N raw records passed over (kept out for a held-out split).
     limit: max conversations kept after validation (None = all).
     max_length: tokens per conversation after the chat template; longer ones are truncated.
-    regenerate: replace assistant turns with the target's own answers (regen_temperature 0 is
-    greedy; regen_max_new_tokens per turn). system_prompt: inserted when a conversation has no
-    system turn of its own.
+    regenerate: train on the target's own answers instead of the assistant turns: precompute
+    first runs the self-distillation stage (precompute/distill/) into output_dir/distill,
+    answering every user turn (regen_temperature 0 is greedy; regen_max_new_tokens per turn);
+    that output is cached, so a resume or rerun never generates again. system_prompt: inserted
+    when a conversation has no system turn of its own.
     """
 
     source: str = "sharegpt"
@@ -46,6 +48,7 @@ class DataConfig:
     regen_temperature: float = 0.0
     regen_max_new_tokens: int = 256
     system_prompt: str | None = None
+    code_share: float = 0.25
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -54,6 +57,12 @@ class DataConfig:
             value = getattr(self, key)
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"data.{key} must be a string or null, got {value!r}")
+        if self.source == "mix":
+            if self.limit is None or self.path is not None:
+                raise ValueError("data=mix (the default self-distillation prompt mix) needs "
+                                 "data.limit and reads no data.path")
+            if not 0 <= self.code_share <= 1:
+                raise ValueError(f"data.code_share must be in [0, 1], got {self.code_share}")
         if self.source == "jsonl" and not self.path:
             raise ValueError("data.path is required with data.source=jsonl (a .jsonl file)")
         if self.source == "hf":
@@ -101,7 +110,8 @@ class DataConfig:
 
 
 def register_data_configs(cs) -> None:
-    """Store the three presets in `cs` (a hydra ConfigStore) under group "data"."""
+    """Store the presets in `cs` (a hydra ConfigStore) under group "data"."""
+    cs.store(group="data", name="mix", node=DataConfig(source="mix", limit=2000))
     cs.store(group="data", name="sharegpt", node=DataConfig(source="sharegpt"))
     # path is mandatory for jsonl: "???" makes Hydra ask for data.path=FILE.
     cs.store(group="data", name="jsonl", node=DataConfig(source="jsonl", path=_MISSING))

@@ -15,6 +15,7 @@ from .records import LoadReport, LoadResult
 from .validate import collect
 
 CHAT_COLUMNS = ("conversations", "messages")
+PROMPT_COLUMN = "prompt"
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv",
              ".arrow": "arrow"}
 _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -43,7 +44,7 @@ def _open_dataset(name: str, config: str | None, split: str):
             return datasets.load_dataset(builder, data_files={split: str(local)}, split=split)
         return datasets.load_dataset(name, config, split=split)
     except Exception as e:  # datasets raises many types; add which dataset it was
-        raise RuntimeError(
+        raise ValueError(
             f"could not load {where}: {type(e).__name__}: {e}. Check data.hf_name, "
             "data.hf_config and data.hf_split."
         ) from e
@@ -56,19 +57,23 @@ def load_hf(
     split: str = "train",
     skip: int = 0,
     limit: int | None = None,
+    prompts: bool = False,
 ) -> LoadResult:
     """Load, validate and report one split of a `datasets` dataset.
 
     Row index (0-based) stands in for a missing "id" column: ids become "{name}[{split}]:{i}".
+    prompts: read prompt records (a "prompt" string column is accepted too).
     Raises ValueError if the split has no chat column at all (every row would be rejected).
     """
     ds = _open_dataset(name, config, split)
     columns = list(ds.column_names)
-    if not any(c in columns for c in CHAT_COLUMNS):
+    wanted = CHAT_COLUMNS + (PROMPT_COLUMN,) if prompts else CHAT_COLUMNS
+    if not any(c in columns for c in wanted):
         raise ValueError(
             f"dataset {name!r} split {split!r} has columns {columns}; it needs one of "
-            f"{CHAT_COLUMNS} holding a list of turns"
+            f"{wanted} holding a list of turns" + (" or a prompt string" if prompts else "")
         )
     source_name = f"{Path(name).name if Path(name).exists() else name}[{split}]"
     report = LoadReport(source=f"hf:{name}" + (f":{config}" if config else "") + f"[{split}]")
-    return collect(enumerate(ds), source_name=source_name, report=report, skip=skip, limit=limit)
+    return collect(enumerate(ds), source_name=source_name, report=report, skip=skip, limit=limit,
+                   prompts=prompts)

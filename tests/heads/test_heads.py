@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from heads.batch import PackedBatch
 from heads.checkpoint import load_head, save_head
 from heads.config import HeadConfig
 from heads.frozen import load_frozen
+from heads.objective import STATS
 from heads.loss import soft_ce, soft_ce_reference
 from heads.registry import build_head
-from heads.rollout import PackedBatch, rollout, step_indices
+from heads.rollout import rollout, step_indices
 from inference_eval.engine.target import TargetConfig
 
 TINY = TargetConfig(name="tiny-test", source="random", path=None, seed=3, arch=dict(
@@ -64,7 +66,7 @@ def test_forward_backward_every_head(kind, parts):
     cfg = HeadConfig(type=kind, num_steps=3, aux_layers=[0, 1, 2] if kind == "eagle3" else [])
     head = build_head(cfg, parts)
     loss, stats = head(_batch())
-    assert stats.shape == (3, 4) and torch.isfinite(loss)
+    assert stats.shape == (3, STATS) and torch.isfinite(loss)
     loss.backward()
     grads = [p.grad for p in head.parameters() if p.requires_grad]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
@@ -119,3 +121,56 @@ def test_checkpoint_round_trip_gives_identical_logits(kind, parts, tmp_path):
             torch.testing.assert_close(head.logits(o1.features), back.logits(o2.features), rtol=0, atol=0)
     with pytest.raises(ValueError, match="medusa"):
         load_head(tmp_path / "h", parts, expect_type="medusa")
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle1", "eagle3", "medusa"])
+def test_every_head_takes_the_one_step_signature(kind, parts):
+    """step(tokens, hidden_in, ctx, k=k), as the rollout and the engine's drafters call it;
+    Medusa ignores tokens and ctx and hands step k+1 the same base feature."""
+    cfg = HeadConfig(type=kind, num_steps=2, aux_layers=[0, 1, 2] if kind == "eagle3" else [])
+    head = build_head(cfg, parts, seed=2)
+    b = _batch((6,), aux=True, seed=3)
+    with torch.no_grad():
+        if not head.attends:  # zero-initialized blocks would make every Medusa head the same
+            for p in head.blocks.parameters():
+                p.normal_(0.0, 0.1)
+        outs = rollout(head, b)
+        assert len(outs) == 2 and all(o.features.shape == (6, 64) for o in outs)
+        if head.attends:
+            return
+        hidden = head.first_hidden(b.hidden, b.aux)
+        for k, out in enumerate(outs, 1):
+            nxt, feats = head.step(None, hidden, None, k=k)
+            torch.testing.assert_close(nxt, hidden, rtol=0, atol=0)
+            torch.testing.assert_close(out.features, feats, rtol=0, atol=0)
+        assert not torch.equal(outs[0].features, outs[1].features)
+        with pytest.raises(ValueError, match="num_steps"):
+            head.step(None, hidden, None, k=3)
+
+
+def test_medusa_starts_as_the_target_and_eagle3_draft_lm_head_as_its_rows(parts):
+    medusa = build_head(HeadConfig(type="medusa", num_steps=2), parts)
+    assert all(torch.count_nonzero(p) == 0 for p in medusa.blocks.parameters())
+    vocab = torch.arange(0, 200, 5)
+    e3 = build_head(HeadConfig(type="eagle3", aux_layers=[0, 1, 2], draft_vocab_size=40), parts,
+                    draft_vocab=vocab)
+    torch.testing.assert_close(e3.draft_lm_head.detach(), parts.lm_head[vocab], rtol=0, atol=0)
+
+
+def test_checkpoint_written_with_the_old_temperature_key_loads(parts, tmp_path):
+    """head.temperature was renamed head.distill_temperature; older checkpoints still load."""
+    import json
+
+    head = build_head(HeadConfig(type="mtp", distill_temperature=0.5), parts, seed=1)
+    save_head(head, tmp_path / "h")
+    p = tmp_path / "h" / "config.json"
+    meta = json.loads(p.read_text())
+    meta["head"]["temperature"] = meta["head"].pop("distill_temperature")
+    p.write_text(json.dumps(meta))
+    assert load_head(tmp_path / "h", parts).cfg.distill_temperature == 0.5
+    with pytest.raises(TypeError, match="temperature"):
+        HeadConfig(temperature=0.5)
+    with pytest.raises(ValueError, match="head.distill_temperature"):
+        HeadConfig(distill_temperature=0.0)
+    with pytest.raises(ValueError, match="head.feature_loss_weight"):
+        HeadConfig(type="medusa", feature_loss_weight=1.0)

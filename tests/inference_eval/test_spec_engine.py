@@ -59,7 +59,7 @@ def test_llm_draft_equal_to_target_accepts_everything(tiny_hf):
     prompts = _prompts(3)
     eng = SpecEngine(loaded.model, None, EngineConfig(attention="torch", page_size=4),
                      lambda p, ps, d, dt: __import__("inference_eval.engine.speculative.drafters", fromlist=["x"])
-                     .LLMDrafter(loaded.model, p, ps, d, dt), num_draft=3)
+                     .LLMDrafter(loaded.model, p, ps, d, dt), max_accepted=3)
     out = eng.generate(prompts, params, progress=False)
     assert [r.token_ids for r in out] == _ar(loaded, prompts, params)
     for r in out:
@@ -97,7 +97,7 @@ def test_too_many_draft_tokens_for_context(tiny_hf, tmp_path):
     loaded = _loaded(tiny_hf)
     with pytest.raises(ValueError, match="does not fit the context"):
         SpecEngine(loaded.model, None, EngineConfig(attention="torch", max_context=8),
-                   lambda *a: None, num_draft=7)
+                   lambda *a: None, max_accepted=7)
 
 
 def test_sampled_speculation_matches_target_distribution(tiny_hf, tmp_path):

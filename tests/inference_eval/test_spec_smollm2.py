@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from heads.batch import PackedBatch
 from heads.checkpoint import save_head
 from heads.config import HeadConfig
 from heads.registry import build_head
-from heads.rollout import PackedBatch
 from inference_eval.engine.attention import BatchLayout
 from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
 from inference_eval.engine.config import EngineConfig

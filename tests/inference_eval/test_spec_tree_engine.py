@@ -55,12 +55,12 @@ class OracleDrafter(HeadDrafter):
 
     def __init__(self, model, num_pages, page_size, device, dtype) -> None:
         a = model.arch
-        self.model = model
+        self.model, self.page_size = model, page_size
         self.cache = KVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim,
                              dtype, device)
         self.aux_layers, self.carry, self.d2t = [], {}, None
 
-    def run(self, tokens, hidden_in, plan, logit_rows=None):
+    def run(self, tokens, state, plan, rows=None, k=1):
         lay = plan.layout
         fresh = [q == kv for q, kv in zip(lay.q_lens, lay.kv_lens)]  # prefill from index 0
         pos, toks, keep, cu = lay.position_tensor() + 1, [], [], lay.cu_q()

@@ -207,6 +207,42 @@ def test_template_that_is_not_prefix_stable_uses_the_fallback():
     assert full[:a].endswith("<assistant>")
 
 
+# ------------------------------------------------------------------------ truncated answers
+
+
+def test_truncated_answer_learns_no_end_of_turn_chatml(smollm2):
+    cut = Conversation(CONV.id, CONV.turns[:3] + [Turn("assistant", "Madrid is the ")],
+                       truncated=True)
+    record = tokenize_conversation(smollm2, cut, max_length=4096)
+    assert record.input_ids == template_ids(smollm2, cut.to_messages())
+    # Earlier answers keep their <|im_end|>; the cut one stops at its content, trailing space
+    # included (the target emitted it), while the rendered <|im_end|> after it stays at 0.
+    assert masked_runs(smollm2, record) == ["The capital of France is Paris.<|im_end|>",
+                                            "Madrid is the "]
+    im_end = smollm2.convert_tokens_to_ids("<|im_end|>")
+    last = max(k for k, m in enumerate(record.loss_mask) if m)
+    assert record.input_ids[last + 1] == im_end and record.loss_mask[last + 1] == 0
+    # The same chat, not cut: its last <|im_end|> is learned.
+    whole = tokenize_conversation(smollm2, Conversation(cut.id, cut.turns), max_length=4096)
+    assert whole.input_ids == record.input_ids
+    assert [k for k, (a, b) in enumerate(zip(whole.loss_mask, record.loss_mask)) if a != b] \
+        == [last + 1]
+
+
+def test_truncated_answer_learns_no_end_of_turn_llama3_and_fallback():
+    for template, marker in ((LLAMA3_TEMPLATE, "<|eot_id|>"), (COUNTING_TEMPLATE, "</assistant>")):
+        tok = tiny_tokenizer(template)
+        cut = Conversation("cut", CONV.turns[:3] + [Turn("assistant", "Madrid is")],
+                           truncated=True)
+        runs = masked_runs(tok, tokenize_conversation(tok, cut, max_length=4096))
+        assert runs[0] == "The capital of France is Paris." + marker
+        assert runs[-1].endswith("Madrid is") and marker not in runs[-1]
+        full = tok.apply_chat_template(cut.to_messages(), tokenize=False)
+        spans = assistant_char_spans(tok, cut.to_messages(), full, record_id="cut",
+                                     open_last=True)
+        assert full[spans[-1][0]:spans[-1][1]] == "Madrid is"
+
+
 def test_template_that_rewrites_content_is_an_error_naming_the_record():
     tok = tiny_tokenizer(
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}\n{% endfor %}"

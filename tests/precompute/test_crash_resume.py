@@ -3,8 +3,9 @@ same bytes as an uninterrupted run (ARCHITECTURE: Shards, "a rerun resumes")."""
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
+
+from kill_point import run_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -14,25 +15,6 @@ def _mapped(pid: int, needle: str) -> bool:
         return needle in Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return False
-
-
-def run_until(argv: list[str], env: dict, ready, timeout: float = 120.0) -> None:
-    """Start the job, poll `ready(pid)` every few ms, SIGKILL the job as soon as it holds."""
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    deadline = time.monotonic() + timeout
-    try:
-        while not ready(proc.pid):
-            if proc.poll() is not None:
-                raise AssertionError(f"the job ended (rc {proc.returncode}) before the kill point: "
-                                     f"{proc.stderr.read().decode()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise AssertionError("kill point not reached in time")
-            time.sleep(0.005)
-    finally:
-        proc.kill()  # SIGKILL: no cleanup handlers run
-        proc.wait()
-        proc.stderr.close()
 
 
 def test_sigkill_at_several_points_then_resume_gives_identical_shards(

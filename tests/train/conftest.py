@@ -28,7 +28,7 @@ TARGET = ["target=tiny", "target.name=tiny-v300", "target.tokenizer=null",
 # make every loss curve flat and every comparison below insensitive).
 COMMON = [*TARGET, "trainer.wandb=disabled", "validation.enabled=false", "trainer.progress=false",
           "trainer.log_every=1", "trainer.device=cpu", "data.batch_tokens=128",
-          "optim.lr=3e-3", "optim.warmup_steps=2", "head.temperature=0.1"]
+          "optim.lr=3e-3", "optim.warmup_steps=2", "head.distill_temperature=0.1"]
 
 
 def write_test_shards(out: Path, target_overrides=(), num_shards: int = 2, seqs: int = 30,

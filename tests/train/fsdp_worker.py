@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from heads.objective import summarize
+from heads.objective import STATS, summarize
 from inference_eval.hydra_app import compose
 from train.config import TrainConfig
 from train.data import MicroBatchStream
@@ -59,7 +59,7 @@ def main(argv: list[str]) -> None:
     logger = MetricLogger(cfg, out, enabled=rank == 0)
     last = {}
     for step in range(start, tc.max_steps):
-        window = torch.zeros(head.cfg.num_steps, 4)
+        window = torch.zeros(head.cfg.num_steps, STATS)
         for m in range(oc.grad_accum):
             batch = store.collate(stream.next())
             with model.no_sync() if m < oc.grad_accum - 1 else nullcontext():

@@ -12,11 +12,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from heads.batch import PackedBatch
 from heads.checkpoint import load_head, read_head_config, save_head
 from heads.config import HeadConfig
 from heads.frozen import load_frozen
 from heads.registry import build_head
-from heads.rollout import PackedBatch, rollout
+from heads.rollout import rollout
 from inference_eval.engine.target import TargetConfig
 from tiny_hf_models import make_tiny_hf
 from heads.formats import detect_format, export_head, import_head

@@ -12,9 +12,10 @@ import math
 import pytest
 import torch
 
+from heads.batch import PackedBatch
 from heads.checkpoint import save_head
 from heads.frozen import load_frozen
-from heads.rollout import PackedBatch, rollout
+from heads.rollout import rollout
 from inference_eval.engine.target import TargetConfig
 from test_export import H, V, make_head
 from heads.formats import export_head

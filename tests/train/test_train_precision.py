@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import train.loop as loop
+from heads.batch import PackedBatch
 from heads.config import HeadConfig
 from heads.frozen import FrozenParts
 from heads.registry import build_head
-from heads.rollout import PackedBatch
 from inference_eval.hydra_app import compose
 from inference_eval.engine.model.arch import ModelArch
 from train.config import TrainConfig
@@ -28,7 +28,7 @@ def _bf16_head(tied: bool, head_type: str = "mtp"):
     lm_head = embed if tied else (torch.randn(96, 32, generator=g) * 0.3).bfloat16()
     parts = FrozenParts(arch, embed, (1 + 0.1 * torch.randn(32, generator=g)).bfloat16(), lm_head,
                         {"name": "t", "arch": arch.to_dict()})
-    return build_head(HeadConfig(type=head_type, num_steps=2, temperature=0.5), parts), embed
+    return build_head(HeadConfig(type=head_type, num_steps=2, distill_temperature=0.5), parts), embed
 
 
 def _batch(n=40):

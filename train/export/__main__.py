@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from heads.formats.registry import FORMATS, detect_format, export_head, import_head
+from inference_eval.hydra_app import user_errors
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,8 +59,10 @@ def import_to_specheads(src: Path, target: str, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Bad input (a missing or foreign checkpoint, a format that cannot hold the head) ends
+    as one `error: ...` line and exit 2 (inference_eval/hydra_app.py: the CLI boundary)."""
     a = parse(argv)
-    try:
+    with user_errors():
         if a.format == "specheads":
             if a.target_dir is None:
                 raise ValueError("importing needs --target-dir: the target the head drafts for")
@@ -68,9 +71,6 @@ def main(argv: list[str] | None = None) -> int:
             out = export_head(a.checkpoint, a.format, a.output, verifier=a.verifier,
                               target_dir=a.target_dir, copy=a.copy,
                               dtype=_DTYPES[a.dtype] if a.dtype else None)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"export error: {exc}", file=sys.stderr)
-        return 2
     print(json.dumps({"export": a.format, "checkpoint": str(a.checkpoint), "output": str(out),
                       "files": sorted(p.name for p in out.iterdir())}))
     return 0

@@ -38,7 +38,7 @@ def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBack
         if dev.type == "cuda" and fib.available():
             return fib.FlashInferBackend(dev)
         if name == "flashinfer":
-            raise RuntimeError(
+            raise ValueError(
                 "attention backend 'flashinfer' needs CUDA and the flashinfer-python package "
                 f"(device={dev}, installed={fib.available()}); use attention=torch or "
                 "pip install -e .[gpu]")

@@ -30,7 +30,8 @@ def _check(draft_tokens: torch.Tensor, target: torch.Tensor, num_draft: torch.Te
         raise ValueError(f"num_draft must be [B] with 0 <= num_draft <= K={k}, got {num_draft}")
 
 
-def _emit(draft_tokens: torch.Tensor, accepted: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+def _out_tokens(draft_tokens: torch.Tensor, accepted: torch.Tensor,
+                last: torch.Tensor) -> torch.Tensor:
     """draft [B, K], accepted [B], last [B] -> out_tokens [B, K+1]: drafts[:accepted], last, -1."""
     b, k = draft_tokens.shape
     pos = torch.arange(k + 1, device=draft_tokens.device).unsqueeze(0)
@@ -59,7 +60,7 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
     in_range = torch.arange(k, device=draft_tokens.device).unsqueeze(0) < num_draft.unsqueeze(1)
     accepted = _leading_true((draft_tokens == target_tok[:, :k]) & in_range)
     last = target_tok.gather(1, accepted.unsqueeze(1)).squeeze(1)
-    return accepted, _emit(draft_tokens, accepted, last)
+    return accepted, _out_tokens(draft_tokens, accepted, last)
 
 
 def residual_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -128,4 +129,4 @@ def verify_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     rejected = (accepted < num_draft).unsqueeze(-1)
     final = torch.where(rejected, residual_probs(p_last, q_last), p_last)
     last = sample_from_probs(final, generator)
-    return accepted, _emit(draft_tokens, accepted, last)
+    return accepted, _out_tokens(draft_tokens, accepted, last)

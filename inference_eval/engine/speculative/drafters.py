@@ -1,76 +1,245 @@
-"""Drafters: what proposes tokens in the speculative engine, behind one small interface.
+"""Drafters: what proposes tokens in the speculative engines, behind one interface.
 
-Both share the target's page tables (one allocator, one block table per request); each owns
-its KV cache. Alignment (ARCHITECTURE): the head's cache entry at position j is computed from
-(h_j of the target, x_{j+1}), so its token buffer is the target's shifted left by one.
+The chain engine (`SpecEngine`) and the tree engine (`TreeSpecEngine`) call only the verbs of
+`Drafter` and never look inside one. A round, for requests whose last token x_n sits at cache
+index n (the target cache holds 0..n-1), runs
+
+    prefill(reqs, layout, plan, pending, sampled, out)  once per (re)computed prompt
+    state, logits = begin_round(reqs, n)                logits [L, V]: the law of d_1
+    state, logits = step(reqs, n, s, d_s, state)        s = 1..K-1: the law of d_{s+1}
+    accept(reqs, n, accepted, emitted, out, rows)       after verification
+    drop(rid)                                           when a request finishes
+
+`state` is the drafter's own per-request carry (a [L, ...] tensor, or None): the engine only
+selects its rows for the requests still drafting. A tree engine grows its nodes with
+`run(tokens, state, plan, k=...)` on layouts it plans itself (scratch slots and masks), which
+only drafters with `drafts_trees` support.
+
+Three drafters share the target's page tables (one allocator, one block table per request):
+- `HeadDrafter`: an MTP/EAGLE head with its own one-layer KV cache. Alignment (ARCHITECTURE):
+  the head's cache entry at index j is computed from (h_j of the target, x_{j+1}), so its
+  token buffer is the target's shifted left by one; after each round it is refilled at the
+  accepted positions from the target's hidden states (more accurate than its own).
+- `LLMDrafter`: a separate small LLM (same tokenizer) with its own full KV cache, unshifted.
+- `MedusaDrafter`: Medusa heads, no KV cache and no token input: head k maps the target's
+  post-norm feature at the last accepted position to the token k+1 places after it.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 from torch import nn
 
+from inference_eval.engine.attention import BatchLayout
 from inference_eval.engine.kv_cache import KVCache
 from inference_eval.engine.model.linear import set_cpu_blas
-from inference_eval.engine.model.transformer import StepContext, TransformerLM
+from inference_eval.engine.model.transformer import ModelOutput, StepContext, TransformerLM
+from inference_eval.engine.request import Request
+
+Rows = Sequence[Sequence[int]]
 
 
-class HeadDrafter:
-    """An MTP/EAGLE head drafting in the engine. Carries, per request, the head's output at
-    the last refilled position (hidden [H] and logits [V]) into the next round's first draft.
-    `head` is a `heads.DraftHead` (its step, logits, first_hidden, embed and cfg are used); the
-    engine takes it as given and never imports heads."""
+class Drafter:
+    """The interface both engines call (see the module docstring for one round).
+
+    aux_layers: target layers whose outputs `prefill` / `accept` read in `out.aux` (EAGLE-3).
+    drafts_trees: `run` can draft the nodes of a tree in the head's shifted alignment.
+    max_steps: the most draft tokens one round can have (None: unbounded; Medusa: its heads).
+    """
+
+    aux_layers: list[int] = []
+    drafts_trees = False
+    max_steps: int | None = None
+    backend = None  # set by bind()
+
+    def bind(self, backend, cpu_blas: bool) -> None:
+        """The engine's attention backend (a drafter plans its own layouts with it) and its
+        CPU BLAS setting (the draft's GEMMs take the target's path)."""
+        self.backend = backend
+        self.use_cpu_blas(cpu_blas)
+
+    def use_cpu_blas(self, enabled: bool) -> None:
+        pass
+
+    def prefill(self, reqs: list[Request], layout: BatchLayout, plan, pending: list[list[int]],
+                sampled: list[int], out: ModelOutput) -> None:
+        """After the target's prefill of `layout` (its `plan`): pending[i] are the tokens
+        request i fed (its q_len), sampled[i] the token the target drew after them;
+        out.hidden [T, H] (pre-norm), out.aux [T, A, H] or None."""
+        raise NotImplementedError
+
+    def begin_round(self, reqs: list[Request], n: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """-> (state [L, ...] or None, logits [L, V] fp32 in the target vocabulary): the
+        distribution of each request's first draft d_1 (x_n at index n[i] is the last token)."""
+        raise NotImplementedError
+
+    def step(self, reqs: list[Request], n: list[int], s: int, tokens: torch.Tensor,
+             state: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Draft step s + 1 (1-based): tokens [L] = d_s, state from the previous call ->
+        (state, logits [L, V] fp32 of d_{s+1})."""
+        raise NotImplementedError
+
+    def accept(self, reqs: list[Request], n: list[int], accepted: list[int],
+               emitted: list[list[int]], out: ModelOutput, rows: Rows) -> None:
+        """After verification: request i emitted emitted[i][:accepted[i] + 1] (its drafts,
+        then the target's token); rows[i] are the accepted[i] + 1 rows of the verify output
+        `out` that held x_n and the accepted drafts (the target cache is valid to
+        n[i] + accepted[i])."""
+        raise NotImplementedError
+
+    def run(self, tokens: torch.Tensor, state: torch.Tensor | None, plan,
+            rows: torch.Tensor | None = None, k: int = 1) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One forward of the draft model over a planned layout: tokens [T], state [T, ...]
+        -> (next state [T, ...] or None, logits [T or R, V] fp32); rows [R] limits the
+        lm_head to those rows; k: the 1-based draft step the tokens are drafted for."""
+        raise NotImplementedError
+
+    def drop(self, rid: int) -> None:
+        pass
+
+    def _layout(self, reqs: list[Request], q_lens: list[int], kv_lens: list[int]) -> BatchLayout:
+        return BatchLayout(q_lens, kv_lens, [r.pages for r in reqs], self.page_size)
+
+
+def _last_rows(layout: BatchLayout) -> list[int]:
+    return [c - 1 for c in layout.cu_q()[1:]]
+
+
+class _HeadLogits:
+    """The lm_head of a heads.DraftHead in the target vocabulary: a reduced vocabulary
+    (EAGLE-3 d2t) is scattered back with -inf for the tokens outside it."""
+
+    def _setup(self, head: nn.Module, device, dtype) -> None:
+        self.head = head.to(device=device, dtype=dtype).eval()
+        self.device, self.cpu_blas = torch.device(device), False
+        d2t = head.draft_to_target()
+        self.d2t = None if d2t is None else d2t.to(device)
+
+    def use_cpu_blas(self, enabled: bool) -> None:
+        set_cpu_blas(self.head, enabled)
+        self.cpu_blas = enabled
+
+    def _logits(self, feats: torch.Tensor) -> torch.Tensor:
+        logits = self.head.logits(feats, self.cpu_blas).float()
+        if self.d2t is not None:
+            full = logits.new_full((logits.shape[0], self.head.arch.vocab_size), float("-inf"))
+            logits = full.index_copy(1, self.d2t, logits)
+        return logits
+
+
+class HeadDrafter(_HeadLogits, Drafter):
+    """An MTP/EAGLE head drafting in the engine. `carry[rid]`: the head's output at the last
+    refilled position (hidden [H], logits [V]), the state of the next round's first draft.
+    `head` is a `heads.DraftHead` (its step, logits, first_hidden, draft_to_target, rope
+    tables and cfg are used); the engine takes it as given and never imports heads."""
+
+    drafts_trees = True
 
     def __init__(self, head: nn.Module, num_pages: int, page_size: int, device, dtype) -> None:
-        self.head = head.to(device=device, dtype=dtype).eval()
-        self.cpu_blas = False  # the engine turns it on with its own setting (use_cpu_blas)
+        self._setup(head, device, dtype)
+        self.page_size = page_size
         a = head.arch
         self.cache = KVCache(1, num_pages, page_size, a.num_kv_heads, a.head_dim, dtype, device)
         self.aux_layers = list(head.cfg.aux_layers) if head.cfg.type == "eagle3" else []
         self.carry: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        d2t = head.draft_to_target()
-        self.d2t = None if d2t is None else d2t.to(device)
 
-    def run(self, tokens: torch.Tensor, hidden_in: torch.Tensor, plan,
-            logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [T], hidden_in [T, H] -> (next hidden [T, H], logits [T or R, V] in the
-        target vocab); logit_rows [R] limits the lm_head to those rows (on a small target the
-        draft's lm_head is a fifth of a target step: a refill only needs its last rows)."""
+    def run(self, tokens, state, plan, rows=None, k=1):
+        """On a small target the draft's lm_head is a fifth of a target step: a refill only
+        needs its last rows, hence `rows`."""
         ctx = StepContext(self.head.rope_cos[plan.positions], self.head.rope_sin[plan.positions],
                           plan, self.cache)
-        nxt, feats = self.head.step(tokens, hidden_in, ctx)
-        if logit_rows is not None:
-            feats = feats.index_select(0, logit_rows)
-        logits = self.head.logits(feats, self.cpu_blas).float()
-        if self.d2t is not None:  # reduced vocabulary: tokens outside it get -inf
-            full = logits.new_full((logits.shape[0], self.head.arch.vocab_size), float("-inf"))
-            logits = full.index_copy(1, self.d2t, logits)
-        return nxt, logits
+        nxt, feats = self.head.step(tokens, state, ctx, k=k)
+        return nxt, self._logits(feats if rows is None else feats.index_select(0, rows))
 
     def refill(self, rids: list[int], tokens: torch.Tensor, target_hidden: torch.Tensor,
                target_aux: torch.Tensor | None, plan, last_rows: list[int]) -> None:
-        """Write the head's cache from the target's states (more accurate than its own) and
-        carry each request's last row into its next round."""
+        """Write the head's cache from the target's states (step 1 of the rollout) and carry
+        each request's last row into its next round."""
         hidden_in = self.head.first_hidden(target_hidden, target_aux)
         nxt, logits = self.run(tokens, hidden_in, plan,
                                torch.tensor(last_rows, dtype=torch.long, device=tokens.device))
         for j, (rid, row) in enumerate(zip(rids, last_rows)):
             self.carry[rid] = (nxt[row], logits[j])
 
-    def use_cpu_blas(self, enabled: bool) -> None:
-        set_cpu_blas(self.head, enabled)
-        self.cpu_blas = enabled
+    def prefill(self, reqs, layout, plan, pending, sampled, out):
+        # Shifted alignment: the entry at index j reads x_{j+1}, so the sampled token closes it.
+        shifted = [t for p, s in zip(pending, sampled) for t in p[1:] + [s]]
+        self.refill([r.id for r in reqs], torch.tensor(shifted, device=out.hidden.device),
+                    out.hidden, out.aux, plan, _last_rows(layout))
 
-    def drop(self, rid: int) -> None:
+    def begin_round(self, reqs, n):
+        return (torch.stack([self.carry[r.id][0] for r in reqs]),
+                torch.stack([self.carry[r.id][1] for r in reqs]))
+
+    def step(self, reqs, n, s, tokens, state):
+        # d_s goes to head index n + s - 1 (one left of its target index n + s).
+        layout = self._layout(reqs, [1] * len(reqs), [m + s for m in n])
+        return self.run(tokens, state, self.backend.plan(layout), k=s + 1)
+
+    def accept(self, reqs, n, accepted, emitted, out, rows):
+        if not reqs:
+            return
+        dev = out.hidden.device
+        flat = torch.tensor([j for r in rows for j in r], device=dev)
+        toks = torch.tensor([t for e, a in zip(emitted, accepted) for t in e[:a + 1]], device=dev)
+        layout = self._layout(reqs, [a + 1 for a in accepted], [m + a + 1 for m, a in zip(n, accepted)])
+        aux = None if out.aux is None else out.aux.index_select(0, flat)
+        self.refill([r.id for r in reqs], toks, out.hidden.index_select(0, flat), aux,
+                    self.backend.plan(layout), _last_rows(layout))
+
+    def drop(self, rid):
         self.carry.pop(rid, None)
 
 
-class LLMDrafter:
-    """A separate small LLM (same tokenizer) as draft. `cached[rid]` counts the positions
-    whose draft KV is valid; each round first runs the tokens it has not seen (the bonus
-    token, plus the last draft when all were accepted)."""
+class MedusaDrafter(_HeadLogits, Drafter):
+    """Medusa heads (a heads.DraftHead with `attends = False`): no KV cache, no token input.
+    `feature[rid]`: the post-norm target feature f_t at the last accepted position t; head k
+    maps it to x_{t+k+1}, so draft d_k of a round is head k on that one feature (the drafts
+    do not depend on each other) and a round can have at most as many drafts as heads."""
+
+    def __init__(self, head: nn.Module, device, dtype) -> None:
+        self._setup(head, device, dtype)
+        self.max_steps = head.cfg.num_steps
+        self.feature: dict[int, torch.Tensor] = {}
+
+    def run(self, tokens, state, plan, rows=None, k=1):
+        _, feats = self.head.step(tokens, state, None, k=k)
+        return state, self._logits(feats if rows is None else feats.index_select(0, rows))
+
+    def _keep(self, reqs: list[Request], hidden: torch.Tensor) -> None:
+        f = self.head.first_hidden(hidden, None)
+        for j, r in enumerate(reqs):
+            self.feature[r.id] = f[j]
+
+    def prefill(self, reqs, layout, plan, pending, sampled, out):
+        self._keep(reqs, out.hidden.index_select(
+            0, torch.tensor(_last_rows(layout), device=out.hidden.device)))
+
+    def begin_round(self, reqs, n):
+        tokens = torch.tensor([r.token_ids[-1] for r in reqs], device=self.device)
+        return self.run(tokens, torch.stack([self.feature[r.id] for r in reqs]), None, k=1)
+
+    def step(self, reqs, n, s, tokens, state):
+        return self.run(tokens, state, None, k=s + 1)
+
+    def accept(self, reqs, n, accepted, emitted, out, rows):
+        if reqs:
+            self._keep(reqs, out.hidden.index_select(
+                0, torch.tensor([r[-1] for r in rows], device=out.hidden.device)))
+
+    def drop(self, rid):
+        self.feature.pop(rid, None)
+
+
+class LLMDrafter(Drafter):
+    """A separate small LLM (same tokenizer) as draft, unshifted: its cache index j holds
+    x_j. `cached[rid]` counts the positions whose draft KV is valid; `begin_round` first runs
+    the tokens it has not seen (the bonus token, plus the last draft when all were accepted)."""
 
     def __init__(self, model: TransformerLM, num_pages: int, page_size: int, device, dtype) -> None:
         self.model = model.to(device=device, dtype=dtype).eval()
+        self.device, self.page_size = torch.device(device), page_size
         a = model.arch
         self.cache = KVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim,
                              dtype, device)
@@ -80,9 +249,36 @@ class LLMDrafter:
     def use_cpu_blas(self, enabled: bool) -> None:
         set_cpu_blas(self.model, enabled)
 
-    def forward(self, tokens: torch.Tensor, plan, logits_indices: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens, plan, self.cache, logits_indices=logits_indices).logits
+    def run(self, tokens, state, plan, rows=None, k=1):
+        return None, self.model(tokens, plan, self.cache, logits_indices=rows).logits
 
-    def drop(self, rid: int) -> None:
+    def prefill(self, reqs, layout, plan, pending, sampled, out):
+        # Its own plan: the draft's head counts and sizes may differ from the target's.
+        ids = torch.tensor([t for p in pending for t in p], device=out.hidden.device)
+        self.model(ids, self.backend.plan(layout), self.cache, compute_logits=False)
+        for r, kv in zip(reqs, layout.kv_lens):
+            self.cached[r.id] = kv
+
+    def begin_round(self, reqs, n):
+        toks = [r.token_ids[self.cached[r.id]:m + 1] for r, m in zip(reqs, n)]
+        layout = self._layout(reqs, [len(t) for t in toks], [m + 1 for m in n])
+        dev = self.device
+        _, logits = self.run(torch.tensor([t for x in toks for t in x], device=dev), None,
+                             self.backend.plan(layout), torch.tensor(_last_rows(layout), device=dev))
+        for r, m in zip(reqs, n):
+            self.cached[r.id] = m + 1
+        return None, logits
+
+    def step(self, reqs, n, s, tokens, state):
+        layout = self._layout(reqs, [1] * len(reqs), [m + s + 1 for m in n])
+        _, logits = self.run(tokens, None, self.backend.plan(layout))
+        for r, m in zip(reqs, n):
+            self.cached[r.id] = m + s + 1
+        return None, logits
+
+    def accept(self, reqs, n, accepted, emitted, out, rows):
+        for r, a, m in zip(reqs, accepted, n):
+            self.cached[r.id] = min(self.cached[r.id], m + a + 1)
+
+    def drop(self, rid):
         self.cached.pop(rid, None)
-

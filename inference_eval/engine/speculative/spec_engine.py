@@ -1,17 +1,23 @@
-"""The speculative engine: chain drafting with an MTP/EAGLE head or a small LLM.
+"""The speculative engine: chain drafting with any `Drafter` (an MTP/EAGLE or Medusa head, a
+small LLM); the engine calls the drafter's verbs and never knows which one it holds.
 
 Shares everything with the autoregressive engine (scheduler, page allocator, block tables,
 attention backend, sampling, generate API); only the step differs:
 
-  prefill  (new or recomputed requests): target forward, sample x_n, then the drafter fills
-           its cache for the prompt (a head from the target's hidden states).
-  decode   (one round): draft K tokens -> the target verifies [x_n, d_1..d_K] in one pass ->
-           accept a (lossless: verify_greedy / verify_sampled) -> emit d_1..d_a + 1 target
-           token -> the drafter catches up (a head is refilled at positions n..n+a from the
-           target's hidden states; an LLM draft runs the tokens it has not seen next round).
+  prefill  (new or recomputed requests): target forward, sample x_n, then `drafter.prefill`
+           (a head fills its cache for the prompt from the target's hidden states).
+  decode   (one round): draft K tokens (`begin_round`, then `step` K-1 times, the engine
+           sampling each) -> the target verifies [x_n, d_1..d_K] in one pass -> accept a
+           (lossless: verify_greedy / verify_sampled) -> emit d_1..d_a + 1 target token ->
+           `drafter.accept` (a head is refilled at positions n..n+a from the target's hidden
+           states; an LLM draft trims its valid prefix and runs the unseen tokens next round).
 
 Per-request K shrinks near max_new_tokens and the context end, so a batch mixes draft lengths.
 Target KV written past the accepted length is simply overwritten later (num_cached moves back).
+
+Per-round meta: proposed[s] = drafts the target judged, accepted[s] = drafts emitted. A round
+that stops on an EOS among its drafts counts only the drafts up to it in both: the drafts
+after it were never emitted, so they are neither accepted nor rejected.
 """
 from __future__ import annotations
 
@@ -25,24 +31,28 @@ from inference_eval.engine.llm_engine import LLMEngine
 from inference_eval.engine.request import Request
 from inference_eval.engine.sampling import SamplingTensors, processed_probs, sample, sample_from_probs
 from inference_eval.engine.speculative.chain import verify_greedy, verify_sampled
-from inference_eval.engine.speculative.drafters import HeadDrafter, LLMDrafter
 
 
 class SpecEngine(LLMEngine):
-    def __init__(self, model, tokenizer, cfg: EngineConfig | None, make_drafter, num_draft: int,
+    def __init__(self, model, tokenizer, cfg: EngineConfig | None, make_drafter, max_accepted: int,
                  lookahead: int | None = None) -> None:
-        """num_draft: the most draft tokens one round can accept (chain K, tree depth);
-        lookahead: cache slots a round writes past the last token (default K + 1)."""
-        if num_draft < 1:
-            raise ValueError(f"draft.num_draft must be >= 1, got {num_draft}")
-        super().__init__(model, tokenizer, cfg, lookahead=lookahead or num_draft + 1)
-        if num_draft + 2 >= self.max_context:
-            raise ValueError(f"draft.num_draft={num_draft} does not fit the context "
+        """make_drafter(num_pages, page_size, device, dtype) -> a Drafter on the engine's pages;
+        max_accepted: the most draft tokens one round can accept (chain K, tree depth; the
+        config key is draft.num_draft or draft.depth); lookahead: cache slots a round writes
+        past the last token (default K + 1)."""
+        if max_accepted < 1:
+            raise ValueError(f"draft.num_draft must be >= 1, got {max_accepted}")
+        super().__init__(model, tokenizer, cfg, lookahead=lookahead or max_accepted + 1)
+        if max_accepted + 2 >= self.max_context:
+            raise ValueError(f"draft.num_draft={max_accepted} does not fit the context "
                              f"({self.max_context} tokens)")
-        self.k = num_draft
+        self.max_accepted = max_accepted
         self.drafter = make_drafter(self.allocator.num_pages, self.cfg.page_size, self.device, self.dtype)
-        if hasattr(self.drafter, "use_cpu_blas"):  # the draft's GEMMs take the target's path
-            self.drafter.use_cpu_blas(self.cpu_blas)
+        if self.drafter.max_steps is not None and max_accepted > self.drafter.max_steps:
+            raise ValueError(f"draft.num_draft={max_accepted} is more than the {self.drafter.max_steps} "
+                             "draft steps this drafter has (a Medusa checkpoint has one head per "
+                             f"step): set draft.num_draft <= {self.drafter.max_steps}")
+        self.drafter.bind(self.backend, self.cpu_blas)
         self.timing = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "catch_up": 0.0}
 
     # ---- helpers ------------------------------------------------------------------------
@@ -79,18 +89,23 @@ class SpecEngine(LLMEngine):
         counts = torch.full((b,), width, device=self.device)
         return processed_probs(tgt.view(-1, v), st.repeat_interleave(counts)).view(b, width, v)
 
-    def _emit(self, reqs: list[Request], ks: list[int], acc: list[int], emit: list[list[int]],
-              n: list[int], done: list[Request]) -> list[int]:
-        """Record a verified round (ks[i] proposed, acc[i] accepted, emit[i][:acc[i]+1] new
-        tokens, target cache valid to n[i] + acc[i]); returns the indices still running."""
+    def _record_round(self, reqs: list[Request], proposed: list[int], acc: list[int],
+                      emit: list[list[int]], n: list[int], done: list[Request]) -> list[int]:
+        """Append a verified round to each request (proposed[i] drafts judged, acc[i]
+        accepted, emit[i][:acc[i]+1] new tokens, target cache valid to n[i] + acc[i]) and
+        finish the requests that stop; returns the indices still running. A stop on a draft
+        (an EOS) cuts both counts to the drafts emitted."""
         keep = []
         for i, r in enumerate(reqs):
-            r.proposed.append(ks[i])
-            r.accepted.append(acc[i])
+            took = 0
             for tok in emit[i][:acc[i] + 1]:
                 r.output_ids.append(tok)
+                took += 1
                 if r.check_stop(self.eos_ids):
                     break
+            cut = took <= acc[i]  # stopped on draft `took`: the rest were never emitted
+            r.proposed.append(took if cut else proposed[i])
+            r.accepted.append(took if cut else acc[i])
             r.num_cached = n[i] + acc[i] + 1
             if not self._finish_or_keep(r, done):
                 keep.append(i)
@@ -121,16 +136,9 @@ class SpecEngine(LLMEngine):
                          aux_layers=self.drafter.aux_layers)
         st = SamplingTensors.from_params([r.params for r in reqs], self.device)
         sampled = sample(out.logits, st, self.generator).tolist()
-        if isinstance(self.drafter, HeadDrafter):
-            shifted = [t for p, s in zip(pending, sampled) for t in p[1:] + [s]]
-            self.drafter.refill([r.id for r in reqs], torch.tensor(shifted, device=self.device),
-                                out.hidden, out.aux, plan, last)
-        else:
-            self.drafter.forward(ids, self.backend.plan(layout), torch.tensor(last, device=self.device))
+        self.drafter.prefill(reqs, layout, plan, pending, sampled, out)
         for r, q, tok in zip(reqs, q_lens, sampled):
             r.num_cached += q
-            if isinstance(self.drafter, LLMDrafter):
-                self.drafter.cached[r.id] = r.num_cached
             r.output_ids.append(tok)
             r.proposed.append(0)
             r.accepted.append(0)
@@ -140,7 +148,7 @@ class SpecEngine(LLMEngine):
     def _draft_len(self, r: Request) -> int:
         left = r.params.max_new_tokens - len(r.output_ids) - 1
         room = self.max_context - r.num_cached - 2
-        return max(0, min(self.k, left, room))
+        return max(0, min(self.max_accepted, left, room))
 
     def _decode(self, reqs: list[Request], done: list[Request]) -> None:
         t0 = time.perf_counter()
@@ -175,24 +183,22 @@ class SpecEngine(LLMEngine):
             acc, emit = verify_sampled(dtok, q, p, num, self.generator)
         t0 = self._tick("verify", t0)
         acc, emit = acc.tolist(), emit.tolist()
-        keep = self._emit(reqs, ks, acc, emit, n, done)
-        self._catch_up([reqs[i] for i in keep], [acc[i] for i in keep], [emit[i] for i in keep],
-                       [n[i] for i in keep], out, [range(cu[i], cu[i] + acc[i] + 1) for i in keep])
+        keep = self._record_round(reqs, ks, acc, emit, n, done)
+        self.drafter.accept([reqs[i] for i in keep], [n[i] for i in keep], [acc[i] for i in keep],
+                            [emit[i] for i in keep], out,
+                            [range(cu[i], cu[i] + acc[i] + 1) for i in keep])
         self._tick("catch_up", t0)
 
     def _propose(self, reqs, ks, n, st, greedy):
-        """Draft up to K tokens per request -> (tokens per request, draft probs per request)."""
+        """Draft up to ks[i] tokens per request -> (tokens per request, draft probs per
+        request: the processed distribution each draft was drawn from, empty when greedy)."""
         b = len(reqs)
         drafts: list[list[int]] = [[] for _ in range(b)]
         qs: list[list[torch.Tensor]] = [[] for _ in range(b)]
         live = [i for i in range(b) if ks[i] > 0]
         if not live:
             return drafts, qs
-        if isinstance(self.drafter, HeadDrafter):
-            hidden = torch.stack([self.drafter.carry[reqs[i].id][0] for i in live])
-            logits = torch.stack([self.drafter.carry[reqs[i].id][1] for i in live])
-        else:
-            logits = self._llm_catch_up([reqs[i] for i in live], [n[i] for i in live])
+        state, logits = self.drafter.begin_round([reqs[i] for i in live], [n[i] for i in live])
         for s in range(1, max(ks) + 1):
             sub = SamplingTensors(st.temperature[live], st.top_k[live], st.top_p[live])
             if greedy:
@@ -208,47 +214,8 @@ class SpecEngine(LLMEngine):
             if not nxt:
                 break
             live = [live[j] for j in nxt]
-            rs = [reqs[i] for i in live]
-            layout = BatchLayout([1] * len(live), [n[i] + s + (0 if isinstance(self.drafter, HeadDrafter) else 1)
-                                                   for i in live], [r.pages for r in rs], self.cfg.page_size)
-            toks = tok[nxt]
-            if isinstance(self.drafter, HeadDrafter):
-                hidden, logits = self.drafter.run(toks, hidden[nxt], self.backend.plan(layout))
-            else:
-                logits = self.drafter.forward(toks, self.backend.plan(layout),
-                                              torch.arange(len(live), device=self.device))
-                for i in live:
-                    self.drafter.cached[reqs[i].id] = n[i] + s + 1
+            if state is not None:
+                state = state[nxt]
+            state, logits = self.drafter.step([reqs[i] for i in live], [n[i] for i in live], s,
+                                              tok[nxt], state)
         return drafts, qs
-
-    def _llm_catch_up(self, reqs: list[Request], n: list[int]) -> torch.Tensor:
-        """Run the tokens an LLM draft has not seen (up to and incl. x_n); logits for d_1."""
-        seen = [self.drafter.cached[r.id] for r in reqs]
-        toks = [r.token_ids[c:m + 1] for r, c, m in zip(reqs, seen, n)]
-        layout = BatchLayout([len(t) for t in toks], [m + 1 for m in n], [r.pages for r in reqs],
-                             self.cfg.page_size)
-        last = torch.tensor([c - 1 for c in layout.cu_q()[1:]], device=self.device)
-        logits = self.drafter.forward(torch.tensor([t for x in toks for t in x], device=self.device),
-                                      self.backend.plan(layout), last)
-        for r, m in zip(reqs, n):
-            self.drafter.cached[r.id] = m + 1
-        return logits
-
-    def _catch_up(self, reqs, acc, emit, n, out, rows) -> None:
-        """After acceptance: refill a head's cache at n..n+a from the target's hidden states
-        (its own drafted entries are less accurate), or trim an LLM draft's valid prefix.
-        rows[i]: the a+1 rows of the verify output holding request i's accepted tokens."""
-        if not reqs:
-            return
-        if isinstance(self.drafter, LLMDrafter):
-            for r, a, m in zip(reqs, acc, n):
-                self.drafter.cached[r.id] = min(self.drafter.cached[r.id], m + a + 1)
-            return
-        rows = torch.tensor([j for r in rows for j in r], device=self.device)
-        toks = torch.tensor([t for e, a in zip(emit, acc) for t in e[:a + 1]], device=self.device)
-        layout = self._sub_layout(reqs, [a + 1 for a in acc], [m + a + 1 for m, a in zip(n, acc)])
-        aux = None if out.aux is None else out.aux.index_select(0, rows)
-        last = [c - 1 for c in layout.cu_q()[1:]]
-        self.drafter.refill([r.id for r in reqs], toks, out.hidden.index_select(0, rows), aux,
-                            self.backend.plan(layout), last)
-

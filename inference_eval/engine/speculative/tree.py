@@ -368,3 +368,13 @@ def tree_emitted_tokens(tree: DraftTree, path: torch.Tensor, accepted_len: torch
     toks = torch.where(path >= 0, tree.tokens.gather(1, path.clamp(min=0)), -1)
     out = torch.cat([toks[:, 1:], toks.new_full((toks.shape[0], 1), -1)], dim=1)
     return out.scatter(1, accepted_len.unsqueeze(1), bonus.unsqueeze(1))
+
+
+def tree_path_proposed(tree: DraftTree, path: torch.Tensor, accepted_len: torch.Tensor) -> torch.Tensor:
+    """The depths a verification judged along its path: tree [B, N], path [B, D+1],
+    accepted_len [B] -> [B] int64 = accepted_len, plus 1 when the last accepted node (the
+    root when nothing was accepted) has a valid child. A depth the pruned tree never reached
+    on that path was never proposed there, so α_k must not count it as a rejection."""
+    last = path.gather(1, accepted_len.unsqueeze(1))  # [B, 1] node index, never -1
+    has_child = ((tree.parents == last) & tree.valid).any(dim=1)
+    return accepted_len + has_child.long()

@@ -5,7 +5,7 @@ One decode round for requests with x_n the last token (target cache holds 0..n-1
 
   build    depth 1: the top-k children of the root x_n come from the head's carried logits.
            depth d = 1..D-1: the `frontier` best nodes of depth d run through the head in
-           one batched step (position n+d-1, the head's shifted alignment); each node's
+           one batched `drafter.run` (position n+d-1, the head's shifted alignment); each node's
            hidden input is its parent's head output; its K/V go to scratch slot
            n + (d-1)*F + f of the head cache and it attends to the prefix plus its ancestors'
            scratch slots only (a [F, d*F] mask over the last d*F keys). Then prune to the
@@ -13,8 +13,13 @@ One decode round for requests with x_n the last token (target cache holds 0..n-1
   verify   root + nodes at target cache n..n+N-1, rotary position n + depth, tree mask;
            verify_tree_greedy / verify_tree_sampled (children = deterministic top-k, so the
            "topk" rule is the lossless one).
-  compact  the accepted path's target K/V move from n + node to n + i; the head is refilled
-           at n..n+a from the target's hidden states at the path's rows, as in the chain.
+  compact  the accepted path's target K/V move from n + node to n + i; `drafter.accept`
+           refills the head at n..n+a from the target's hidden states at the path's rows, as
+           in the chain.
+
+proposed[s] of a round is the depths its verification judged on the accepted path (the
+accepted nodes, plus one when the last accepted node has a child; `tree_path_proposed`), so
+α_k never counts a depth the pruned tree did not reach there.
 
 Ties: tree children by (draft log-prob desc, token id asc), verification by the target's
 argmax (lowest id on ties), the same rule greedy autoregressive decoding uses.
@@ -30,11 +35,11 @@ from inference_eval.engine.attention.layout import page_slots
 from inference_eval.engine.config import EngineConfig
 from inference_eval.engine.request import Request
 from inference_eval.engine.sampling import SamplingTensors
-from inference_eval.engine.speculative.drafters import HeadDrafter
 from inference_eval.engine.speculative.spec_engine import SpecEngine
-from inference_eval.engine.speculative.tree import (TREE_FIELDS, DraftTree, tree_attention_mask, tree_emitted_tokens,
-                                      tree_expand, tree_init, tree_limit, tree_prune,
-                                      verify_tree_greedy, verify_tree_sampled)
+from inference_eval.engine.speculative.tree import (TREE_FIELDS, DraftTree, tree_attention_mask,
+                                                    tree_emitted_tokens, tree_expand, tree_init,
+                                                    tree_limit, tree_path_proposed, tree_prune,
+                                                    verify_tree_greedy, verify_tree_sampled)
 
 
 class TreeSpecEngine(SpecEngine):
@@ -47,9 +52,9 @@ class TreeSpecEngine(SpecEngine):
         scratch = (depth - 1) * self.frontier
         super().__init__(model, tokenizer, cfg, make_drafter, depth,
                          lookahead=max(total_tokens, scratch) + 1)
-        if not isinstance(self.drafter, HeadDrafter):
-            raise ValueError("draft.scheme=tree needs draft=head (an MTP/EAGLE head); "
-                             "use scheme=chain for draft=llm")
+        if not self.drafter.drafts_trees:
+            raise ValueError("draft.scheme=tree needs draft=head with an MTP/EAGLE head; use "
+                             "scheme=chain for draft=llm or a Medusa head")
 
     def _slots(self, reqs: list[Request], index: torch.Tensor) -> torch.Tensor:
         """Cache indices index [B, M] (-1 = none) -> flat slots [B, M] of each request's pages."""
@@ -71,8 +76,8 @@ class TreeSpecEngine(SpecEngine):
         if not live:
             return full
         depth, f, lb = max(ks[i] for i in live), self.frontier, len(live)
-        hid0 = torch.stack([self.drafter.carry[reqs[i].id][0] for i in live])  # [L, H]
-        lp0 = torch.stack([self.drafter.carry[reqs[i].id][1] for i in live]).log_softmax(-1)
+        hid0, logits0 = self.drafter.begin_round([reqs[i] for i in live], [n[i] for i in live])
+        lp0 = logits0.log_softmax(-1)  # hid0 [L, H]: the roots' head output
         tree, frontier = tree_init(roots[live])
         tree, frontier = tree_expand(tree, frontier, lp0.unsqueeze(1), self.topk, f)
         n_max = 1 + self.topk + (depth - 1) * f * self.topk  # nodes after the last expansion
@@ -93,7 +98,7 @@ class TreeSpecEngine(SpecEngine):
             parents = tree.parents.gather(1, nodes).clamp(min=0)
             nxt, logits = self.drafter.run(tree.tokens.gather(1, nodes).view(-1),
                                            out_h[rows, parents].view(lb * f, -1),
-                                           self.backend.plan(layout))
+                                           self.backend.plan(layout), k=d + 1)
             out_h[rows, nodes] = torch.where((frontier >= 0).unsqueeze(-1), nxt.view(lb, f, -1),
                                             out_h[rows, nodes])
             tree, frontier = tree_expand(tree, frontier, logits.view(lb, f, -1).log_softmax(-1),
@@ -156,9 +161,10 @@ class TreeSpecEngine(SpecEngine):
         moved = on_path & (src != dst)
         self.cache.copy_slots(src[moved], dst[moved])
         t0 = self._tick("verify", t0)
+        proposed = tree_path_proposed(tree, path, acc).tolist()
         acc, path = acc.tolist(), path.tolist()
-        keep = self._emit(reqs, ks, acc, emit, n, done)
-        self._catch_up([reqs[i] for i in keep], [acc[i] for i in keep], [emit[i] for i in keep],
-                       [n[i] for i in keep], out,
-                       [[cu[i] + node for node in path[i][:acc[i] + 1]] for i in keep])
+        keep = self._record_round(reqs, proposed, acc, emit, n, done)
+        self.drafter.accept([reqs[i] for i in keep], [n[i] for i in keep], [acc[i] for i in keep],
+                            [emit[i] for i in keep], out,
+                            [[cu[i] + node for node in path[i][:acc[i] + 1]] for i in keep])
         self._tick("catch_up", t0)

@@ -1,0 +1,70 @@
+"""The torch backend's kv-length groups (inference_eval/engine/attention/torch_backend.py): a
+step whose requests have very different cache lengths runs one SDPA per group of similar
+lengths, and gives what the single padded batch gives."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from inference_eval.engine.attention import BatchLayout
+from inference_eval.engine.attention.torch_backend import TorchAttentionPlan, kv_groups
+from inference_eval.engine.kv_cache import KVCache
+
+
+def brute_force_groups(lens, cost):
+    """Every contiguous partition of the length-sorted order, cheapest first."""
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    best = None
+    for cuts in itertools.product([0, 1], repeat=len(lens) - 1):
+        groups, cur = [], [order[0]]
+        for c, i in zip(cuts, order[1:]):
+            if c:
+                groups.append(cur)
+                cur = []
+            cur.append(i)
+        groups.append(cur)
+        total = sum(len(g) * lens[g[0]] + cost for g in groups)
+        if best is None or total < best[0]:
+            best = (total, groups)
+    return best[0]
+
+
+@pytest.mark.parametrize("lens", [[5, 900, 880, 7, 30, 31, 400], [10, 10, 10], [3000, 2]])
+def test_groups_are_the_cheapest_partition(lens):
+    groups = kv_groups(lens, 256)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    cost = sum(len(g) * max(lens[i] for i in g) + 256 for g in groups)
+    assert cost == brute_force_groups(lens, 256)
+    assert kv_groups([10, 10, 10], 256) == [[0, 1, 2]]  # similar lengths: one group
+
+
+@pytest.mark.parametrize("q_lens", [[1] * 6, [1, 4, 1, 3, 1, 1]])
+def test_grouped_attention_equals_one_padded_batch(q_lens):
+    g = torch.Generator().manual_seed(0)
+    kv_lens = [9, 700, 650, 12, 300, 5]
+    page, kvh, heads, d = 8, 2, 4, 16
+    tables, nxt = [], 0
+    for kv in kv_lens:  # interleaved pages, as an allocator hands them out
+        n = -(-kv // page)
+        tables.append(list(range(nxt, nxt + n))[::-1])
+        nxt += n
+    layout = BatchLayout(q_lens, kv_lens, tables, page)
+    grouped = TorchAttentionPlan(layout, torch.device("cpu"))
+    plain = TorchAttentionPlan(layout, torch.device("cpu"), grouped=False)
+    assert grouped.groups is not None and len(grouped.groups) > 1 and plain.groups is None
+    t = sum(q_lens)
+    q, k, v = (torch.randn(t, n, d, generator=g) for n in (heads, kvh, kvh))
+    caches = []
+    for _ in range(2):
+        c = KVCache(1, nxt, page, kvh, d, torch.float32, "cpu")
+        kc, vc = c.layer(0)
+        torch.manual_seed(1)
+        kc.copy_(torch.randn(kc.shape))
+        vc.copy_(torch.randn(vc.shape))
+        caches.append(c)
+    a = grouped.attend(0, q, k, v, caches[0])
+    b = plain.attend(0, q, k, v, caches[1])
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(caches[0].layer(0)[0], caches[1].layer(0)[0], rtol=0, atol=0)
