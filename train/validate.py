@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -61,21 +62,35 @@ class Validator:
         head.eval()
         try:
             with torch.no_grad():
-                result = self._teacher_forced(head, autocast)
-            if self.tau_prompts and head.uses_tokens:  # the engine drafts chains of token-input heads
-                result.update(self._real_tau(head))
+                result = self._teacher_forced(head, autocast, self.records)
+            if self.tau_prompts:
+                real, outputs = self._real_tau(head)
+                result.update(real)
+                # The same expectation on the very text the engine just generated (prompt +
+                # greedy answer, loss on the answer): beside real τ, it isolates train/serve
+                # differences from the held-out data's own off-policy text.
+                k_train, head.cfg.num_steps = head.cfg.num_steps, self.tau_k or head.cfg.num_steps
+                try:  # the rollout as deep as the chain the engine drafted
+                    with torch.no_grad():
+                        tf = self._teacher_forced(head, autocast, outputs, engine_check=False)
+                finally:
+                    head.cfg.num_steps = k_train
+                result.update({"tf_outputs_exp_tau_greedy": tf["exp_tau_greedy"],
+                               "tf_outputs_exp_accept_greedy": tf["exp_accept_greedy"]})
         finally:
             head.train(was_training)
         return result
 
     # ---- teacher-forced: expected acceptance, and step 1 through the paged KV cache -------
-    def _teacher_forced(self, head: DraftHead, autocast) -> dict:
+    def _teacher_forced(self, head: DraftHead, autocast, records, engine_check: bool = True) -> dict:
+        """Teacher-forced metrics over `records` (TokenizedRecord-like: input_ids, loss_mask);
+        engine_check: also run step 1 through the engine's paged attention and compare."""
         model, dev = self.loaded.model, head.rope_cos.device
         aux_layers = list(head.cfg.aux_layers) if head.cfg.type == "eagle3" else []
         total = None
         diffs = []
         engine_stats = torch.zeros(3)
-        for rec in self.records:
+        for rec in records:
             n = len(rec.input_ids)
             ids = torch.tensor(rec.input_ids, dtype=torch.long, device=self.device)
             out = model(ids, self.backend.plan(BatchLayout.packed([n])), None, compute_logits=False,
@@ -87,7 +102,7 @@ class Validator:
             with autocast():  # the head only: the target's states are the engine's, as in precompute
                 _, stats = head(batch)
                 total = stats.float().cpu() if total is None else total + stats.float().cpu()
-                if not head.uses_tokens:
+                if not (head.uses_tokens and engine_check):
                     continue
                 first = head.first_hidden(hidden, aux)
                 feats = self._engine_step1(head, ids, first)
@@ -133,13 +148,16 @@ class Validator:
         del engine  # its KV cache
         outputs = [TurnOutput.from_result(str(i), "validation", 0, r) for i, r in enumerate(results)]
         s = summarize_outputs(outputs, k)
+        generated = [SimpleNamespace(input_ids=p + list(r.token_ids),
+                                     loss_mask=[0] * len(p) + [1] * len(r.token_ids))
+                     for p, r in zip(self.tau_prompts, results) if r.token_ids]
         return {"real_tau": s["mean_accept_len"],
                 "real_per_position_accept_rate": s["per_position_accept_rate"],
                 "real_accept_len_hist": s["accept_len_hist"],
                 "real_target_steps": s["target_steps"],
                 "real_draft_steps": s["draft_steps"],
                 "real_generated_tokens": s["generated_tokens"],
-                "real_num_prompts": len(outputs), "real_num_errors": s["num_errors"]}
+                "real_num_prompts": len(outputs), "real_num_errors": s["num_errors"]}, generated
 
 
 def _file_prompts(source: str, tokenizer, limit: int) -> list[list[int]]:

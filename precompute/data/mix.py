@@ -6,6 +6,11 @@ Neither source is an evaluation set: ShareGPT records are read from `skip` up to
 only (the held-out split starts there), and the code prompts are not HumanEval problems. The
 two are interleaved evenly, so any `limit` keeps the same share. Prompt-only: the target's
 answers (precompute.distill) become the training conversations.
+
+ShareGPT first turns longer than MAX_PROMPT_CHARS (pasted documents and code files, ~5% of
+them) are passed over: on a CPU one such prompt in a batch makes every decode step attend
+thousands of keys (it tripled the distillation's time per batch, measured), and a small chat
+model is rarely sent them.
 """
 from __future__ import annotations
 
@@ -16,13 +21,20 @@ from .sharegpt import load_sharegpt
 from .validate import collect
 
 
+MAX_PROMPT_CHARS = 2000
+
+
 def load_mix(limit: int, code_share: float, skip: int = 0) -> LoadResult:
     """limit: prompts in all. Returns prompt records (user turns only); the report's source
     names the mix and its notes count each part."""
     code = code_prompts()
     n_code = min(len(code), round(limit * code_share))
     n_chat = limit - n_code
-    chat = load_sharegpt(skip=skip, limit=n_chat, prompts=True)
+    # Read a margin beyond n_chat: the long prompts passed over are replaced by later records.
+    chat = load_sharegpt(skip=skip, limit=n_chat + n_chat // 4 + 8, prompts=True)
+    short = [c for c in chat.conversations if len(c.turns[-1].content) <= MAX_PROMPT_CHARS]
+    long_skipped = len(chat.conversations) - len(short)
+    chat.conversations = short[:n_chat]
     if chat.report.records_seen > HELDOUT_SKIP:
         raise ValueError(f"data=mix: {n_chat} ShareGPT prompts from record {skip} reach into the "
                          f"held-out split (records >= {HELDOUT_SKIP}); lower data.limit")
@@ -44,5 +56,6 @@ def load_mix(limit: int, code_share: float, skip: int = 0) -> LoadResult:
     for reason, n in chat.report.rejected.items():
         report.rejected[reason] = report.rejected.get(reason, 0) + n
     report.notes.update({"sharegpt_prompts": len(chat.conversations),
-                         "code_prompts": len(coded.conversations)})
+                         "code_prompts": len(coded.conversations),
+                         "long_prompts_passed_over": long_skipped})
     return LoadResult(convs, chat.rejected + coded.rejected, report)

@@ -387,7 +387,7 @@ def test_data_config_errors_name_the_key(kwargs, key):
         DataConfig(**kwargs)
 
 
-@pytest.mark.parametrize("name", ["sharegpt", "jsonl", "hf"])
+@pytest.mark.parametrize("name", ["sharegpt", "jsonl", "hf", "mix"])
 def test_yaml_presets_match_the_dataclass_and_compose(name, tmp_path):
     from hydra import compose, initialize_config_dir
 

@@ -19,7 +19,9 @@ def test_mix_has_the_code_share_spread_through_it():
     code = [i for i, x in enumerate(ids) if x.startswith("stdlib:")]
     assert len(ids) == 40 and len(code) == 10
     assert code[0] < 10 and code[-1] > 30  # interleaved, not appended
-    assert result.report.notes == {"sharegpt_prompts": 30, "code_prompts": 10}
+    notes = result.report.notes
+    assert notes["sharegpt_prompts"] == 30 and notes["code_prompts"] == 10
+    assert all(len(c.turns[-1].content) <= 2000 for c in result.conversations)
     assert "code_share=0.25" in result.report.source and result.report.records_seen < HELDOUT_SKIP
     assert all(t.role == "user" for c in result.conversations for t in c.turns)
 

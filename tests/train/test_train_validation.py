@@ -65,3 +65,26 @@ def test_tau_prompts_are_checked(common):
     with pytest.raises(ValueError, match="validation.tau_max_new_tokens must be >= 1"):
         compose("train", TrainConfig, ["validation.tau_max_new_tokens=0"])
     assert compose("train", TrainConfig, ["validation.tau_prompts=0"]).validation.tau_prompts == 0
+
+
+def test_real_tau_on_a_prompt_set_with_a_deeper_chain_and_its_teacher_forced_twin(common,
+                                                                                   make_shards,
+                                                                                   tmp_path):
+    """validation.tau_prompts_path=heldout_mix draws the real-τ prompts from many categories,
+    tau_num_draft sets the chain K apart from the trained K, and the teacher-forced rates on
+    the generated text come out at the chain's depth."""
+    from heads.frozen import load_frozen
+    from heads.registry import build_head
+
+    cfg = compose("train", TrainConfig, [
+        *common, *TOKENIZED, "head.num_steps=1", "validation.enabled=true",
+        "validation.num_conversations=2", "validation.max_length=64", "validation.tau_prompts=3",
+        "validation.tau_prompts_path=heldout_mix", "validation.tau_num_draft=3",
+        "validation.tau_max_new_tokens=8", "engine.num_pages=64"])
+    validator = Validator(cfg)
+    assert len(validator.tau_prompts) == 3
+    head = build_head(cfg.head, load_frozen(cfg.target), seed=0)
+    val = validator(head)
+    assert len(val["real_per_position_accept_rate"]) == 3
+    assert len(val["tf_outputs_exp_accept_greedy"]) == 3 and val["tf_outputs_exp_tau_greedy"] >= 1
+    assert head.cfg.num_steps == 1  # restored after the deeper teacher-forced pass
