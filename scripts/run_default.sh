@@ -14,7 +14,8 @@
 # PRESET picks the sizes (env vars PROMPTS_N, ANSWER, STEPS, BATCH, K, EVAL_PER_CAT, NEW,
 # OUT override them):
 #   quick (default)  96 prompts, 60 steps, chain K=2 on 2 prompts per category (24):
-#                    about 10 minutes on 2 CPU cores; a smoke test of the whole pipeline.
+#                    roughly 15 minutes on 2 CPU cores (from the stages' measured rates; a
+#                    tiny-size run of every stage took 4m52s); a smoke test of the pipeline.
 #   long             900 prompts (~120k answer tokens), 400 steps of the study's winning
 #                    recipe, chain K=2, K=4 and an EAGLE-2 tree on 2 prompts per category
 #                    (about 35 min of distillation, 8 of precompute, 15 of training on 2 cores).
