@@ -12,7 +12,6 @@ a copy of the target lm_head's rows for those tokens (`init_parameter`).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from heads.base import DraftHead
 from heads.config import HeadConfig

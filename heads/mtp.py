@@ -11,7 +11,6 @@ trained on; without them 70B-scale heads did not converge (see the reference wri
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from heads.base import DraftHead
 from heads.config import HeadConfig

@@ -23,7 +23,7 @@ import torch
 
 from heads.checkpoint import read_head_config
 from inference_eval.engine.config import EngineConfig
-from inference_eval.engine.llm_engine import GenerationResult, LLMEngine
+from inference_eval.engine.llm_engine import GenerationResult
 from inference_eval.evaluation.engines import build_engine
 from inference_eval.evaluation.config import BASELINE_LABEL, DraftConfig, EvalConfig
 from inference_eval.evaluation.metrics import TurnOutput

@@ -22,7 +22,6 @@ JSONL line shapes (one JSON object per line; blank lines are skipped):
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path

@@ -5,7 +5,6 @@ import time
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 from precompute.data import (
     REJECT_REASONS,
@@ -16,7 +15,6 @@ from precompute.data import (
     load_hf,
     load_prompts,
     load_sharegpt,
-    register_data_configs,
     write_rejects,
 )
 from precompute.data import sharegpt as sharegpt_module
@@ -361,66 +359,6 @@ def test_hf_prompt_column_is_read_as_prompts(tmp_path, hf_cache):
     result = load_hf(str(path), prompts=True)
     assert [[(t.role, t.content) for t in c.turns] for c in result.conversations] == [
         [("user", "Why?")], [("user", "How?")]]
-
-
-# ------------------------------------------------------------------------ config
-
-
-@pytest.mark.parametrize(
-    "kwargs, key",
-    [
-        ({"source": "csv"}, "data.source"),
-        ({"limit": 0}, "data.limit"),
-        ({"skip": -1}, "data.skip"),
-        ({"max_length": 1}, "data.max_length"),
-        ({"source": "jsonl"}, "data.path"),
-        ({"source": "hf"}, "data.hf_name"),
-        ({"source": "hf", "hf_name": "x", "path": "y"}, "data.path"),
-        ({"hf_name": "x"}, "data.hf_name"),
-        ({"regen_temperature": -0.1}, "data.regen_temperature"),
-        ({"regen_max_new_tokens": 0}, "data.regen_max_new_tokens"),
-        ({"regenerate": "yes"}, "data.regenerate"),
-    ],
-)
-def test_data_config_errors_name_the_key(kwargs, key):
-    with pytest.raises((ValueError, TypeError), match=key.replace(".", r"\.")):
-        DataConfig(**kwargs)
-
-
-@pytest.mark.parametrize("name", ["sharegpt", "jsonl", "hf", "mix"])
-def test_yaml_presets_match_the_dataclass_and_compose(name, tmp_path):
-    from hydra import compose, initialize_config_dir
-
-    yaml_node = OmegaConf.load(CONF_DATA / f"{name}.yaml")
-    assert list(yaml_node) == list(DataConfig.__dataclass_fields__)
-    assert yaml_node.source == name
-
-    # Compose the preset through Hydra from a copy, so other groups in conf/ do not interfere.
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / f"{name}.yaml").write_text((CONF_DATA / f"{name}.yaml").read_text())
-    fill = {"jsonl": ["data.path=x.jsonl"], "hf": ["data.hf_name=org/chats"]}.get(name, [])
-    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
-        cfg = compose(overrides=[f"+data={name}", "data.limit=5", *fill])
-    merged = OmegaConf.merge(OmegaConf.structured(DataConfig), cfg.data)
-    data = OmegaConf.to_object(merged)
-    assert isinstance(data, DataConfig)
-    assert (data.source, data.limit) == (name, 5)
-
-
-def test_config_store_nodes_require_their_mandatory_key():
-    from hydra.core.config_store import ConfigStore
-    from omegaconf.errors import MissingMandatoryValue
-
-    cs = ConfigStore.instance()
-    register_data_configs(cs)
-    nodes = {name: cs.repo["data"][f"{name}.yaml"].node for name in ("sharegpt", "jsonl", "hf")}
-    assert OmegaConf.to_object(nodes["sharegpt"]) == DataConfig()
-    for name, key in (("jsonl", "path"), ("hf", "hf_name")):
-        assert nodes[name].source == name
-        with pytest.raises(MissingMandatoryValue, match=key):
-            OmegaConf.to_object(nodes[name])
-    with pytest.raises(ValueError, match=r"data\.limit"):
-        OmegaConf.to_object(OmegaConf.merge(nodes["jsonl"], {"path": "f.jsonl", "limit": 0}))
 
 
 def test_skip_counts_records_not_lines_and_dispatch_follows_source(tmp_path):

@@ -399,20 +399,3 @@ def test_empty_answers_are_rejected(tmp_path):
     m = distill_run.main(cfg)
     assert m.counts["rejected"] == {"empty_answer": 2} and m.counts["kept"] == 0
     assert m.generated_tokens == 8
-
-
-# ------------------------------------------------------------------------ config
-
-
-def test_shipped_config_composes_with_greedy_defaults():
-    cfg = compose("distill", DistillConfig, [])
-    assert (cfg.target.name, cfg.data.source, cfg.turns) == ("smollm2", "sharegpt", "first")
-    assert cfg.sampling.temperature == 0.0 and cfg.engine.max_batch_size == 16
-    assert DistillConfig().engine.max_batch_size == 16
-
-
-def test_config_errors_name_the_key():
-    with pytest.raises(ValueError, match="turns"):
-        DistillConfig(turns="second")
-    with pytest.raises(ValueError, match="data.regenerate"):
-        compose("distill", DistillConfig, ["data.regenerate=true"])

@@ -57,8 +57,15 @@ class TorchAttentionPlan:
         rows = [bi * self.max_q + i for bi, q in enumerate(q_lens) for i in range(q)]
         self.q_rows = torch.tensor(rows, dtype=torch.long, device=device)
         self.is_causal_only = False
+        self.groups = None
         if self.cached:
             self.slots = layout.slot_mapping(device)
+            groups = kv_groups(kv_lens) if grouped and b > 1 else [list(range(b))]
+            if len(groups) > 1:  # each group plans its own gather and mask; none padded here
+                self.groups = [(self._token_rows(g, cu, device),
+                                TorchAttentionPlan(_sub_layout(layout, g), device, grouped=False))
+                               for g in groups]
+                return
             gather = torch.zeros(b, self.max_kv, dtype=torch.long)
             for bi, (table, kv) in enumerate(zip(layout.block_tables, kv_lens)):
                 gather[bi, :kv] = page_slots(table, torch.arange(kv), layout.page_size)
@@ -71,14 +78,6 @@ class TorchAttentionPlan:
                 gather[bi, :kv] = torch.arange(cu[bi], cu[bi] + kv)
             self.self_gather = gather.view(-1).to(device)
             self.is_causal_only = b == 1 and layout.tree_masks is None
-        self.groups = None
-        if self.cached and grouped and b > 1:
-            groups = kv_groups(kv_lens)
-            if len(groups) > 1:
-                self.groups = [(self._token_rows(g, cu, device),
-                                TorchAttentionPlan(_sub_layout(layout, g), device, grouped=False))
-                               for g in groups]
-                return
         mask = None if self.is_causal_only else self._mask(layout)
         self.mask = None if mask is None else mask.to(device)
 
@@ -116,7 +115,7 @@ class TorchAttentionPlan:
                cache) -> torch.Tensor:
         t, heads, d = q.shape
         kvh = k.shape[1]
-        b, mq, mk = self.batch, self.max_q, self.max_kv
+        b, mk = self.batch, self.max_kv
         if self.cached:
             kc, vc = cache.layer(layer)
             # 2-D row views: index ops on [slots, kvh * d] run ~2x faster than on 3-D.
