@@ -16,8 +16,17 @@ from torch import nn
 from heads.config import HeadConfig
 from heads.frozen import FrozenHead, FrozenParts
 from heads.objective import head_objective
+from inference_eval.engine.model.arch import ModelArch
 from inference_eval.engine.model.linear import matmul_wt
-from inference_eval.engine.model.rope import rope_inv_freq, rope_tables
+from inference_eval.engine.model.rope import arch_rope_tables
+
+
+def head_arch(target: ModelArch) -> ModelArch:
+    """The arch of a head's one decoder layer: the target's attention (GQA, or MLA for
+    DeepSeek) with a dense SwiGLU MLP of the target's intermediate_size. A DeepSeek target's
+    routed experts are dropped (n_routed_experts = 0): heads run no mixture of experts yet,
+    so layer 0 of the head is dense even when the target's layer 0 is an MoE layer."""
+    return replace(target, num_layers=1, n_routed_experts=0)
 
 
 class DraftHead(nn.Module):
@@ -33,13 +42,12 @@ class DraftHead(nn.Module):
         required when cfg.draft_vocab_size is set."""
         super().__init__()
         self.cfg = cfg
-        self.arch = replace(parts.arch, num_layers=1)
+        self.arch = head_arch(parts.arch)
         self.target_identity = parts.identity
         self.register_buffer("embed", parts.embed.detach(), persistent=False)
         self.frozen = FrozenHead(parts)
         a = self.arch
-        cos, sin = rope_tables(rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling),
-                               a.max_position_embeddings)
+        cos, sin = arch_rope_tables(a)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.draft_lm_head = None  # EAGLE-3's own trained rows of a reduced vocabulary

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 HEAD_TYPES = ("mtp", "eagle1", "eagle3", "medusa")
+HIDDEN_INPUTS = ("pre_norm", "post_norm")
 # Keys stored under an older name in head checkpoints and export stamps: old -> new.
 RENAMED_KEYS = {"temperature": "distill_temperature"}
 
@@ -29,6 +30,9 @@ class HeadConfig:
     draft_vocab_size: a reduced draft vocabulary of the most frequent training tokens (None =
         the full vocabulary); EAGLE-3 trains its own rows of it, other heads use the target's
         frozen rows (heads/vocab.py).
+    hidden_input: which target state an mtp head reads, "pre_norm" (h_t, the shards'
+      convention; what we train) or "post_norm" (final_norm(h_t): what vLLM and SGLang hand a
+      DeepSeek-V3 MTP layer, so native MTP layers loaded from a checkpoint use it).
     """
 
     type: str = "mtp"
@@ -39,6 +43,7 @@ class HeadConfig:
     distill_temperature: float = 1.0
     draft_vocab_size: int | None = None
     aux_layers: list[int] = field(default_factory=list)
+    hidden_input: str = "pre_norm"
 
     def __post_init__(self) -> None:
         if self.type not in HEAD_TYPES:
@@ -57,6 +62,10 @@ class HeadConfig:
             # A Medusa step passes the base feature through unchanged (heads/medusa.py): no
             # draft output feeds a next step, so there is nothing for the feature loss to fit.
             raise ValueError("head.feature_loss_weight must be 0 for head.type=medusa")
+        if self.hidden_input not in HIDDEN_INPUTS:
+            raise ValueError(f"head.hidden_input={self.hidden_input!r}: use one of {HIDDEN_INPUTS}")
+        if self.hidden_input != "pre_norm" and self.type != "mtp":
+            raise ValueError(f"head.hidden_input={self.hidden_input!r} applies to mtp heads only")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"head.draft_vocab_size must be >= 1 or null, got {self.draft_vocab_size}")
 

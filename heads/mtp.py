@@ -30,6 +30,13 @@ class MTPHead(DraftHead):
         self.layer = DecoderLayer(a, 0)
         self.final_norm = RMSNorm(h, a.rms_norm_eps)
 
+    def first_hidden(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """hidden [T, H] pre-norm -> itself, or final_norm(hidden) for hidden_input=post_norm
+        (a native DeepSeek MTP layer: its hnorm was trained on the normed state)."""
+        if self.cfg.hidden_input == "post_norm":
+            return self.frozen.norm(hidden)
+        return hidden
+
     def step(self, tokens: torch.Tensor, hidden_in: torch.Tensor, ctx,
              k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer serves every draft step, so k is not read."""

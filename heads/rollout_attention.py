@@ -69,6 +69,17 @@ class RolloutContext:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]."""
+        return self._attend(q, k, v, None)
+
+    def attend_latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int,
+                      scale: float) -> torch.Tensor:
+        """MLA (model/mla.py) as multi-query attention: q [T, heads, D], latent [T, 1, D]
+        (this step's rows [c_kv ; k_pe]) -> [T, heads, v_dim]; the values are the rows' first
+        v_dim columns, as in the engine's latent cache (attention/mla_torch.py)."""
+        return self._attend(q, latent, latent[..., :v_dim], scale)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float | None) -> torch.Tensor:
         p = self.plan
         self.keys.append((k, v))
         heads, kvh = q.shape[1], k.shape[1]
@@ -78,5 +89,6 @@ class RolloutContext:
         masks = [p.causal] + [p.diag] * (len(self.keys) - 1)
         out = F.scaled_dot_product_attention(
             qp, torch.cat(ks, dim=2), torch.cat(vs, dim=2),
-            attn_mask=torch.cat(masks, dim=2).unsqueeze(1), enable_gqa=heads != kvh)
+            attn_mask=torch.cat(masks, dim=2).unsqueeze(1), scale=scale,
+            enable_gqa=heads != kvh)
         return p.unpad(out.transpose(1, 2))

@@ -11,8 +11,16 @@ checked token for token against the baseline.
         [--batch-sizes 1 8] [--temperatures 0 1] [--tree 4 4 12] [--out runs/bench_spec]
 
 Each cell writes a full report (report.json/md, plots) under --out/bs{B}_t{T}/. Prints a
-table, then one JSON line: {"bench": "spec", "cells": [{"batch_size", "temperature", "runs":
-[{"name", "tau", "alpha", "speedup", "tok_s", "ar_tok_s", "time_split_s", "mismatched"}]}]}.
+table, then one JSON line: {"bench": "spec", "step_costs": {...}, "cells": [{"batch_size",
+"temperature", "runs": [{"name", "tau", "alpha", "speedup", "tok_s", "ar_tok_s",
+"time_split_s", "mismatched"}]}]}.
+
+Step costs first (batch 1, `--context` cached tokens, the engine's own model, cache, backend
+and GEMM paths): one autoregressive decode step (1 token in, logits for it), verification
+of K + 1 tokens (K = 1..4, logits for every row) and one draft step of the head (1 token,
+the head's lm_head: its reduced vocabulary when it has one). The three are timed round-robin
+--step-reps times, so drift hits them alike; ratios are medians over the AR step's median.
+`--steps-only` stops after them.
 """
 from __future__ import annotations
 
@@ -20,8 +28,16 @@ import argparse
 import json
 from pathlib import Path
 
+import statistics
+import time
+
+import torch
+
+from inference_eval.engine.attention import BatchLayout
+from inference_eval.engine.target import load_target
 from inference_eval.evaluation import evaluate
 from inference_eval.evaluation.config import EvalConfig
+from inference_eval.evaluation.engines import build_engine
 from inference_eval.hydra_app import compose
 
 
@@ -50,6 +66,57 @@ def cell(args: argparse.Namespace, bs: int, temp: float) -> dict:
     return {"batch_size": bs, "temperature": temp, "report": str(out / "report.json"), "runs": runs}
 
 
+@torch.inference_mode()
+def step_costs(args: argparse.Namespace) -> dict:
+    """Median/min ms of an AR step, a K+1-token verification and a head draft step (module
+    docstring), at batch 1 after --context cached tokens; ratios against the AR step."""
+    from types import SimpleNamespace
+
+    cfg = compose("eval", EvalConfig, [f"target={args.target}", *args.engine])
+    loaded = load_target(cfg.target)
+    draft = SimpleNamespace(kind="head", checkpoint=args.head, scheme="chain", num_draft=4)
+    eng = build_engine(loaded, cfg.engine, draft)
+    model, drafter, ps, ctx = eng.model, eng.drafter, eng.cfg.page_size, args.context
+    pages = list(range((ctx + 8) // ps + 1))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.arch.vocab_size, (ctx + 8,), generator=gen)
+
+    def layout(q: int, kv: int) -> BatchLayout:
+        return BatchLayout([q], [kv], [pages], ps)
+
+    # Fill both caches once so every timed step attends over `ctx` real entries.
+    out = model(ids[:ctx], eng.backend.plan(layout(ctx, ctx)), eng.cache, compute_logits=False)
+    hidden = drafter.head.first_hidden(out.hidden, None)
+    drafter.run(ids[1:ctx + 1], hidden, eng.backend.plan(layout(ctx, ctx)), rows=torch.tensor([ctx - 1]))
+    state = hidden[-1:]
+
+    def target(q: int):
+        return lambda: model(ids[ctx:ctx + q], eng.backend.plan(layout(q, ctx + q)), eng.cache)
+
+    ops = {"ar_step": target(1), **{f"verify_{k + 1}": target(k + 1) for k in range(1, 5)},
+           "draft_step": lambda: drafter.run(ids[ctx:ctx + 1], state,
+                                             eng.backend.plan(layout(1, ctx + 1)), k=2)}
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    with eng.step_threads():  # the engine's own thread setting inside a step
+        for rep in range(args.step_reps + 2):
+            for name, fn in ops.items():
+                t = time.perf_counter()
+                fn()
+                if rep >= 2:  # two warm-up rounds
+                    times[name].append(time.perf_counter() - t)
+    med = {n: statistics.median(v) * 1e3 for n, v in times.items()}
+    res = {"context": ctx, "reps": args.step_reps, "threads": torch.get_num_threads(),
+           "draft_vocab": int(drafter.head.lm_head_weight.shape[0]),
+           "median_ms": {n: round(v, 2) for n, v in med.items()},
+           "min_ms": {n: round(min(v) * 1e3, 2) for n, v in times.items()},
+           "ratio_to_ar": {n: round(v / med["ar_step"], 3) for n, v in med.items()}}
+    print(f"step costs at context {ctx} ({res['threads']} threads, median of {args.step_reps}):")
+    for n in ops:
+        print(f"  {n:<11} {med[n]:8.2f} ms  {res['ratio_to_ar'][n]:6.3f}x AR"
+              f"  (min {res['min_ms'][n]:.2f} ms)")
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--head", required=True, help="head checkpoint dir (python -m train output)")
@@ -63,10 +130,19 @@ def main() -> None:
                     metavar=("DEPTH", "TOPK", "TOTAL"), help="EAGLE-2 tree shape")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/bench_spec")
+    ap.add_argument("--context", type=int, default=256, help="cached tokens for the step costs")
+    ap.add_argument("--step-reps", type=int, default=20)
+    ap.add_argument("--steps-only", action="store_true", help="measure the step costs only")
+    ap.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="engine overrides for the step costs, e.g. engine.cpu_blas=torch")
     args = ap.parse_args()
     if not (Path(args.head) / "config.json").is_file():
         raise SystemExit(f"--head {args.head}: no head checkpoint there (config.json missing); "
                          "train one with scripts/run_default.sh or python -m train")
+    costs = step_costs(args)
+    if args.steps_only:
+        print(json.dumps({"bench": "spec", "head": args.head, "step_costs": costs}))
+        return
     cells = [cell(args, bs, t) for bs in args.batch_sizes for t in args.temperatures]
     print(f"\n{'bs':>3} {'T':>4} {'run':<8} {'tau':>6} {'speedup':>8}  alpha")
     for c in cells:
@@ -74,7 +150,7 @@ def main() -> None:
             alpha = " ".join(f"{a:.2f}" for a in r["alpha"] if a is not None)
             print(f"{c['batch_size']:>3} {c['temperature']:>4g} {r['name']:<8} "
                   f"{r['tau'] or 0:>6.3f} {r['speedup'] or 0:>7.2f}x  {alpha}")
-    print(json.dumps({"bench": "spec", "head": args.head, "prompts": args.prompts,
+    print(json.dumps({"bench": "spec", "head": args.head, "step_costs": costs, "prompts": args.prompts,
                       "max_new_tokens": args.new, "tree": args.tree, "cells": cells}))
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded default (SmolLM2-135M-Instruct):
-#   1. self-distillation: the target answers the default prompt mix (ShareGPT first turns +
-#      programming requests from Python's docs; no evaluation set), greedy, through the engine,
+#   1. data (DATA below): ShareGPT conversations as they are, and/or self-distillation (the
+#      target answers the default prompt mix: ShareGPT first turns + programming requests
+#      from Python's docs; no evaluation set; greedy, through the engine),
 #   2. precompute the target's hidden states on those conversations,
 #   3. train the RMSNorm-augmented MTP head on them (8192-token draft vocabulary: the study's
 #      winner at CPU budgets; target-layer init and K=4 rollouts lost there); validation
@@ -11,59 +12,78 @@
 #      draft=none (autoregressive): τ, α_k, speedup, lossless check -> $OUT/eval/report.md
 # Rerunning resumes/reuses what is already there (every stage is resumable and cached).
 #
-# PRESET picks the sizes (env vars PROMPTS_N, ANSWER, STEPS, BATCH, K, EVAL_PER_CAT, NEW,
-# OUT override them):
-#   quick (default)  96 prompts, 60 steps, chain K=2 on 2 prompts per category (24):
-#                    roughly 15 minutes on 2 CPU cores (from the stages' measured rates; a
-#                    tiny-size run of every stage took 4m52s); a smoke test of the pipeline.
-#   long             900 prompts (~120k answer tokens), 400 steps of the study's winning
-#                    recipe, chain K=2, K=4 and an EAGLE-2 tree on 2 prompts per category
-#                    (about 35 min of distillation, 8 of precompute, 15 of training on 2 cores).
-#   gpu              16k prompts, 512-token answers, 6000 steps x 16k tokens, bf16, K=4
-#                    rollout, chain K=4 and the EAGLE-2 tree at batch 8: for one GPU.
+# PRESET picks the sizes and the data (env vars DATA, PROMPTS_N, ORIG_N, ANSWER, STEPS,
+# BATCH, K, EVAL_PER_CAT, NEW, OUT override them):
+#   DATA=sharegpt   ShareGPT conversations as they are (precompute only: ~6x cheaper per
+#                   token than letting the target answer, and the soft labels are the
+#                   target's own distribution either way)
+#   DATA=distill    the target answers the default prompt mix itself first (on-policy text)
+#   DATA=both       both, trained together (data.shards='a,b')
+#   quick (default) DATA=sharegpt, 80 conversations (~48k tokens), 150 steps, chain K=2,
+#                   1 prompt per category (12); about 10 minutes on 2 CPU cores.
+#   long            DATA=both: 900 prompts answered (160 tokens) + 1500 conversations,
+#                   2400 steps, chain K=2, K=4 and an EAGLE-2 tree on 2 prompts per category.
+#   gpu             DATA=distill, 16k prompts, 512-token answers, 6000 steps x 16k tokens,
+#                   bf16, chain K=4 and the EAGLE-2 tree at batch 8: for one GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 PY=.venv/bin/python
 PRESET=${PRESET:-quick}
 case "$PRESET" in
-  #        prompts answer steps batch K eval/cat new out
-  quick) d=(96    128    60    2048  2 2 48  runs/default) ;;
-  long)  d=(900   160    400   2048  4 2 64  runs/long) ;;
-  gpu)   d=(16000 512    6000  16384 4 10 128 runs/gpu) ;;
+  #        data     prompts orig answer steps batch K eval/cat new out
+  quick) d=(sharegpt 0     100  128    150   2048  2 1 48  runs/default) ;;
+  long)  d=(both     900   1500 160    2400  2048  4 2 64  runs/long) ;;
+  gpu)   d=(distill  16000 0    512    6000  16384 4 10 128 runs/gpu) ;;
   *) echo "PRESET=$PRESET: use quick, long or gpu" >&2; exit 2 ;;
 esac
-PROMPTS_N=${PROMPTS_N:-${d[0]}}; ANSWER=${ANSWER:-${d[1]}}; STEPS=${STEPS:-${d[2]}}
-BATCH=${BATCH:-${d[3]}}; K=${K:-${d[4]}}; EVAL_PER_CAT=${EVAL_PER_CAT:-${d[5]}}
-NEW=${NEW:-${d[6]}}; OUT=${OUT:-${d[7]}}
-extra=(); extra_train=(); eval_bs=1; gen_bs=32
-# The recipe study (README) picked this at CPU budgets; on a GPU budget add, e.g.,
-# trainer.init_from_target=true "trainer.stages=[{num_steps:1,fraction:0.3},{num_steps:4,fraction:0.7}]".
+DATA=${DATA:-${d[0]}}; PROMPTS_N=${PROMPTS_N:-${d[1]}}; ORIG_N=${ORIG_N:-${d[2]}}
+ANSWER=${ANSWER:-${d[3]}}; STEPS=${STEPS:-${d[4]}}; BATCH=${BATCH:-${d[5]}}; K=${K:-${d[6]}}
+EVAL_PER_CAT=${EVAL_PER_CAT:-${d[7]}}; NEW=${NEW:-${d[8]}}; OUT=${OUT:-${d[9]}}
+case "$DATA" in sharegpt|distill|both) ;; *) echo "DATA=$DATA: use sharegpt, distill or both" >&2; exit 2 ;; esac
+[ "$DATA" = sharegpt ] || [ "$PROMPTS_N" -gt 0 ] || PROMPTS_N=96
+[ "$DATA" = distill ] || [ "$ORIG_N" -gt 0 ] || ORIG_N=80
+extra=(); eval_bs=1; gen_bs=32
+# The recipe study (README) picked the 8192-token draft vocabulary at CPU budgets; on a GPU
+# budget add, e.g., "trainer.stages=[{num_steps:1,fraction:0.3},{num_steps:4,fraction:0.7}]".
 recipe=(head.draft_vocab_size=8192)
 H="$OUT/head"
-drafts="[{kind:head,checkpoint:$H/checkpoints/best,name:chain$K,num_draft:$K}]"
-if [ "$PRESET" = long ]; then
-  drafts="[{kind:head,checkpoint:$H/checkpoints/best,name:chain2,num_draft:2},{kind:head,checkpoint:$H/checkpoints/best,name:chain4,num_draft:4},{kind:head,checkpoint:$H/checkpoints/best,name:tree,scheme:tree,depth:4,topk:4,total_tokens:12}]"
-elif [ "$PRESET" = gpu ]; then
-  extra=(target.dtype=bfloat16); gen_bs=64; eval_bs=8
-  drafts="[{kind:head,checkpoint:$H/checkpoints/best,name:chain4,num_draft:4},{kind:head,checkpoint:$H/checkpoints/best,name:tree,scheme:tree}]"
+shards=()
+if [ "$PRESET" = gpu ]; then extra=(target.dtype=bfloat16); gen_bs=64; eval_bs=8; fi
+if [ "$DATA" != sharegpt ]; then
+  $PY -m precompute.distill target=smollm2 data=mix data.limit="$PROMPTS_N" \
+      sampling.max_new_tokens="$ANSWER" engine.max_batch_size="$gen_bs" engine.kv_cache_gb=1 \
+      output_dir="$OUT/distill" "${extra[@]}"
+  $PY -m precompute target=smollm2 data=jsonl data.path="$OUT/distill/conversations.jsonl" \
+      data.max_length=768 output_dir="$OUT/shards" "${extra[@]}"
+  shards+=("$OUT/shards")
 fi
-evals=$(( STEPS / 4 > 0 ? STEPS / 4 : 1 ))
-$PY -m precompute.distill target=smollm2 data=mix data.limit="$PROMPTS_N" \
-    sampling.max_new_tokens="$ANSWER" engine.max_batch_size="$gen_bs" engine.kv_cache_gb=1 \
-    output_dir="$OUT/distill" "${extra[@]}"
-$PY -m precompute target=smollm2 data=jsonl data.path="$OUT/distill/conversations.jsonl" \
-    data.max_length=768 output_dir="$OUT/shards" "${extra[@]}"
-$PY -m train target=smollm2 head=mtp data.shards="$OUT/shards" output_dir="$H" \
+if [ "$DATA" != distill ]; then
+  $PY -m precompute target=smollm2 data=sharegpt data.limit="$ORIG_N" data.max_length=768 \
+      output_dir="$OUT/shards_sharegpt" "${extra[@]}"
+  shards+=("$OUT/shards_sharegpt")
+fi
+# Validation measures real τ in the engine on held-out prompts and keeps the best head; the
+# quick preset validates once, at the end (its evaluation below is the measurement).
+evals=$(( STEPS / 6 > 0 ? STEPS / 6 : 1 )); tau_prompts=12
+if [ "$PRESET" = quick ]; then evals=$STEPS; tau_prompts=4; fi
+$PY -m train target=smollm2 head=mtp "data.shards='$(IFS=,; echo "${shards[*]}")'" output_dir="$H" \
     trainer.max_steps="$STEPS" trainer.log_every=10 trainer.save_every="$evals" \
     trainer.eval_every="$evals" optim.warmup_steps=10 optim.lr=1e-3 data.batch_tokens="$BATCH" \
     validation.num_conversations=4 validation.max_length=512 trainer.wandb=offline \
-    validation.tau_prompts=12 validation.tau_prompts_path=heldout_mix \
+    validation.tau_prompts="$tau_prompts" validation.tau_prompts_path=heldout_mix \
     validation.tau_num_draft="$K" validation.tau_max_new_tokens=32 \
-    "${recipe[@]}" "${extra[@]}" "${extra_train[@]}"
+    "${recipe[@]}" "${extra[@]}"
+ck="$H/checkpoints/best"
+drafts="[{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K}]"
+if [ "$PRESET" = long ]; then
+  drafts="[{kind:head,checkpoint:$ck,name:chain2,num_draft:2},{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree,depth:4,topk:4,total_tokens:12}]"
+elif [ "$PRESET" = gpu ]; then
+  drafts="[{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree}]"
+fi
 $PY -m inference_eval target=smollm2 "drafts=$drafts" prompts=heldout_mix \
     prompts.per_category="$EVAL_PER_CAT" sampling.max_new_tokens="$NEW" \
     eval.batch_size="$eval_bs" output_dir="$OUT/eval" "${extra[@]}"
-echo "done ($PRESET): answers in $OUT/distill, shards in $OUT/shards, head in $H" \
-     "(best by real τ: $H/checkpoints/best, curve: $H/acceptance_curve.png)," \
+echo "done ($PRESET, DATA=$DATA): shards in ${shards[*]}, head in $H" \
+     "(best by real τ: $ck, curve: $H/acceptance_curve.png)," \
      "report in $OUT/eval/report.md"

@@ -2,6 +2,9 @@
 # Train the MTP draft head of Llama-3.1-70B-Instruct on one 8x H100 80 GB node.
 #
 #   SHARDS=runs/shards_70b OUT=runs/head_70b bash scripts/train_8xh100.sh [extra overrides...]
+#   TARGET=deepseek_v2_lite TARGET_PATH=deepseek-ai/DeepSeek-V2-Lite SHARDS=... OUT=... \
+#       bash scripts/train_8xh100.sh        # the head's layer is MLA + a dense MLP there;
+#                                           # its memory is in docs/deepseek.md (~6 GB/GPU)
 #
 # Memory per GPU (docs/memory_70b.md has the arithmetic): the head is one decoder layer of
 # the target plus eh_proj, 0.99 B trainable parameters; fp32 weights + grads + AdamW state are
@@ -33,6 +36,7 @@ cd "$(dirname "$0")/.."
 
 SHARDS=${SHARDS:?set SHARDS to a precompute output_dir made with target=llama3_70b}
 OUT=${OUT:-runs/head_70b}
+TARGET=${TARGET:-llama3_70b}
 TARGET_PATH=${TARGET_PATH:-meta-llama/Llama-3.1-70B-Instruct}
 NPROC=${NPROC:-8}
 BATCH_TOKENS=${BATCH_TOKENS:-16384}  # per rank and micro-batch
@@ -45,7 +49,7 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=1      # a dead rank aborts the job inste
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # V-wide chunks fragment
 
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m train \
-  target=llama3_70b target.path="$TARGET_PATH" \
+  target="$TARGET" target.path="$TARGET_PATH" \
   head=mtp head.num_steps=1 \
   data.shards="$SHARDS" data.batch_tokens="$BATCH_TOKENS" \
   optim.grad_accum="$GRAD_ACCUM" optim.lr=1e-4 optim.warmup_steps=100 optim.grad_clip=1.0 \

@@ -33,3 +33,14 @@ def smollm2():
     loaded = load_target(TargetConfig())
     hf = AutoModelForCausalLM.from_pretrained(loaded.hf_dir, dtype=torch.float32).eval()
     return loaded, hf
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: torch's second OpenMP thread only adds wake-up latency (a busy 2-core
+    machine made single index_add_ calls take 40 ms). Modules opt in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)

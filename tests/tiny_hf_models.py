@@ -13,6 +13,10 @@ FAMILIES = {
     "mistral": dict(model_type="mistral", tie_word_embeddings=False),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=False, head_dim=24),
+    # YaRN (cos/sin scaled by its attention factor 1.139); lengths past 64 interpolate.
+    "qwen2_yarn": dict(model_type="qwen2", tie_word_embeddings=True, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 64}),
 }
 
 
@@ -38,3 +42,105 @@ def make_tiny_hf(family: str, path, seed: int = 0):
     model.eval()
     model.save_pretrained(path)
     return model
+
+
+# DeepSeek variant -> (HF class name, config kwargs). Each covers a different routing / MLA
+# path; together: q low-rank on and off, YaRN (with mscale != mscale_all_dim, so the cos/sin
+# attention factor is not 1), shared experts, first dense layers, group-limited routing.
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+         "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1}
+DEEPSEEK_FAMILIES = {
+    # V2-Lite-like: no q low rank, softmax greedy, 2 shared experts, first layer dense, YaRN.
+    "v2_lite": ("DeepseekV2", dict(q_lora_rank=None, topk_method="greedy", first_k_dense_replace=1,
+                n_shared_experts=2, num_experts_per_tok=2,
+                rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=0.8))),
+    # V2-like: q low rank, group-limited greedy routing, scaled weights, plain rope.
+    "v2_group": ("DeepseekV2", dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4,
+                 topk_group=2, routed_scaling_factor=2.0, first_k_dense_replace=1,
+                 n_shared_experts=1, num_experts_per_tok=3)),
+    # V3-like: q low rank, sigmoid + bias, noaux_tc groups, normalized top-k, YaRN, interleaved.
+    "v3": ("DeepseekV3", dict(q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
+           routed_scaling_factor=2.5, first_k_dense_replace=1, n_shared_experts=1,
+           num_experts_per_tok=2, rope_interleave=True,
+           rope_parameters=dict(_YARN, mscale=0.707, mscale_all_dim=0.707))),
+    # V3 with rotate-half rope (rope_interleave false), no q low rank, no dense layer.
+    "v3_half": ("DeepseekV3", dict(q_lora_rank=None, n_group=2, topk_group=1,
+                norm_topk_prob=False, routed_scaling_factor=1.5, first_k_dense_replace=0,
+                n_shared_experts=1, num_experts_per_tok=2, rope_interleave=False)),
+}
+
+
+def make_tiny_deepseek(family: str, path=None, seed: int = 0):
+    """A tiny random DeepSeek{V2,V3}ForCausalLM of `family` (fp32, eval), every weight and the
+    router's e_score_correction_bias perturbed; saved to `path` when given."""
+    import transformers
+
+    prefix, kw = DEEPSEEK_FAMILIES[family]
+    cfg = getattr(transformers, f"{prefix}Config")(
+        vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+        num_hidden_layers=3, num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, max_position_embeddings=128,
+        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **kw)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(cfg).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(0.3 * torch.randn_like(p))  # spread router scores: no near-ties
+            else:
+                p.copy_(0.05 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    model.eval()
+    if path is not None:
+        model.save_pretrained(path)
+    return model
+
+
+def add_native_mtp_layer(path, hf_model, seed: int = 1):
+    """Make `path` (a saved tiny DeepSeek-V3 model) a DeepSeek-V3-style checkpoint with its MTP
+    module at layer L = num_hidden_layers: config.json gets num_nextn_predict_layers = 1 and
+    model.safetensors gains model.layers.{L}.{enorm, hnorm, eh_proj, shared_head.norm,
+    shared_head.head, embed_tokens, <a dense decoder layer>} (random; the two copies are the
+    target's embedding and lm_head, as DeepSeek ships them). Returns the MTP module's parts
+    as transformers modules {enorm, hnorm, eh_proj, layer, shared_norm} for a reference."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3DecoderLayer,
+                                                                      DeepseekV3RMSNorm)
+
+    path, cfg = Path(path), hf_model.config
+    assert cfg.first_k_dense_replace >= 1  # layer_idx 0 below builds the dense-MLP layer
+    h, L = cfg.hidden_size, cfg.num_hidden_layers
+    torch.manual_seed(seed)
+    parts = {"enorm": DeepseekV3RMSNorm(h, cfg.rms_norm_eps),
+             "hnorm": DeepseekV3RMSNorm(h, cfg.rms_norm_eps),
+             "eh_proj": torch.nn.Linear(2 * h, h, bias=False),
+             "layer": DeepseekV3DecoderLayer(cfg, layer_idx=0),
+             "shared_norm": DeepseekV3RMSNorm(h, cfg.rms_norm_eps)}
+    with torch.no_grad():
+        for m in parts.values():
+            for name, p in m.named_parameters():
+                p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else
+                        0.05 * torch.randn_like(p))
+    for m in parts.values():
+        m.eval()
+    pre = f"model.layers.{L}."
+    mtp = {pre + "enorm.weight": parts["enorm"].weight, pre + "hnorm.weight": parts["hnorm"].weight,
+           pre + "eh_proj.weight": parts["eh_proj"].weight,
+           pre + "shared_head.norm.weight": parts["shared_norm"].weight,
+           pre + "shared_head.head.weight": hf_model.lm_head.weight,
+           pre + "embed_tokens.weight": hf_model.model.embed_tokens.weight,
+           **{pre + k: v for k, v in parts["layer"].state_dict().items()}}
+    weights = load_file(str(path / "model.safetensors"))
+    weights.update({k: v.detach().clone().contiguous() for k, v in mtp.items()})
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return parts

@@ -27,23 +27,46 @@ class SeqRef:
 
 
 class ShardStore:
-    """All sequences of a precompute output_dir; checksums verified once at open."""
+    """All sequences of one or more precompute output_dirs (`data.shards=a` or, quoted for Hydra, `data.shards='a,b'`:
+    e.g. self-distilled answers beside original conversations); checksums verified once at
+    open. Every dir must come from the same target and aux layers."""
 
     def __init__(self, shards_dir: str | Path, verify: bool = True) -> None:
-        self.dir = Path(shards_dir)
-        self.manifest = Manifest.load(self.dir / "manifest.json")
-        if not self.manifest.complete:
-            raise ValueError(f"{self.dir}: precompute did not finish (manifest incomplete); "
-                             "rerun it to resume")
+        dirs = [Path(d.strip()) for d in str(shards_dir).split(",") if d.strip()]
+        if not dirs:
+            raise ValueError(f"data.shards={shards_dir!r} names no shard directory")
+        self.dirs = dirs
         self.shards: list[Shard] = []
         self.seqs: list[SeqRef] = []
-        for i, e in enumerate(self.manifest.shards):
-            shard = read_shard(self.dir / e.file, e.sha256 if verify else None)
-            self.shards.append(shard)
-            cu = shard.cu_seqlens.tolist()
-            self.seqs.extend(SeqRef(i, a, b) for a, b in zip(cu[:-1], cu[1:]))
+        self.manifest = None
+        for d in dirs:
+            man = Manifest.load(d / "manifest.json")
+            if not man.complete:
+                raise ValueError(f"{d}: precompute did not finish (manifest incomplete); "
+                                 "rerun it to resume")
+            if self.manifest is None:
+                self.manifest = man
+            elif list(man.aux_layers) != list(self.manifest.aux_layers):
+                raise ValueError(f"{d}: aux layers {list(man.aux_layers)} differ from "
+                                 f"{list(self.manifest.aux_layers)} in {dirs[0]}; data.shards "
+                                 "dirs must be precomputed with the same settings")
+            self._check_same_target(d, man.target)
+            for e in man.shards:
+                shard = read_shard(d / e.file, e.sha256 if verify else None)
+                cu = shard.cu_seqlens.tolist()
+                self.seqs.extend(SeqRef(len(self.shards), a, b) for a, b in zip(cu[:-1], cu[1:]))
+                self.shards.append(shard)
         if not self.seqs:
-            raise ValueError(f"{self.dir}: the shards hold no sequences")
+            raise ValueError(f"{shards_dir}: the shards hold no sequences")
+        self.dir = dirs[0]
+
+    def _check_same_target(self, d: Path, target: dict) -> None:
+        first = self.manifest.target
+        for key in ("weights_sha256", "frozen_sha256"):
+            if key in first and key in target and first[key] != target[key]:
+                raise ValueError(f"{d} was precomputed from other target weights than "
+                                 f"{self.dirs[0]} ({key} {target[key][:12]} != "
+                                 f"{first[key][:12]}); data.shards dirs must share one target")
 
     @property
     def aux_layers(self) -> list[int]:

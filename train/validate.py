@@ -122,7 +122,7 @@ class Validator:
         """Step-1 features [n, H] through a paged KV cache, as the engine drafts."""
         a, n, page, dev = head.arch, ids.numel(), 16, ids.device
         pages = -(-n // page)
-        cache = KVCache(1, pages, page, a.num_kv_heads, a.head_dim, dtype=first.dtype, device=dev)
+        cache = KVCache.for_arch(a, pages, page, dtype=first.dtype, device=dev)
         plan = TorchAttentionBackend(dev).plan(BatchLayout([n], [n], [list(range(pages))[::-1]], page))
         ctx = StepContext(head.rope_cos[plan.positions], head.rope_sin[plan.positions], plan, cache)
         tokens = torch.cat([ids[1:], ids[:1] * 0])  # x_{t+1}; the last row has no next token

@@ -124,7 +124,12 @@ def llama_layer_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
     """HF LlamaConfig fields of a one-layer draft with the target's shapes and rope.
 
     rope_theta/rope_scaling are the keys vLLM, SGLang and EAGLE read; transformers >= 5
-    converts them to rope_parameters itself."""
+    converts them to rope_parameters itself. A DeepSeek head's layer (latent attention) has
+    no Llama form: it is refused, and exports to deepseek_mtp instead."""
+    if arch.is_mla:
+        raise ValueError("the head's layer uses DeepSeek's multi-head latent attention, which "
+                         "an EAGLE/speculators (Llama-layer) config cannot express; export an mtp "
+                         "head on a DeepSeek target to format 'deepseek_mtp'")
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size,
             "intermediate_size": arch.intermediate_size, "num_hidden_layers": 1,

@@ -35,6 +35,7 @@ NAME = "deepseek_mtp"
 HEAD_TYPES = ("mtp",)
 MTP_FILE = "model-mtp.safetensors"
 INDEX = "model.safetensors.index.json"
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # MTP-layer tensors outside the decoder layer: ours -> DeepSeek (relative to the layer).
 _OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
@@ -89,38 +90,59 @@ def export(bundle: HeadBundle, out: Path, target_dir: Path | None = None,
     total += sum(t.numel() * t.element_size() for t in tensors.values())
     _write_json(out / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
     config = {**tcfg, "num_nextn_predict_layers": 1,
-              "specheads_mtp": {"layer": arch.num_layers, "hidden_input": "pre-final-norm"},
+              "specheads_mtp": {"layer": arch.num_layers, "hidden_input": (
+                  "pre-final-norm" if bundle.cfg.hidden_input == "pre_norm" else "post-final-norm")},
               "specheads_target": target_stamp(bundle), "specheads_head": head_stamp(bundle.cfg)}
     _write_json(out / "config.json", config)
     return out
 
 
 def detect(cfg: dict[str, Any]) -> bool:
-    return int(cfg.get("num_nextn_predict_layers") or 0) > 0 and "num_hidden_layers" in cfg
+    """An MTP layer is declared, or the directory is a DeepSeek checkpoint (read() then says
+    that it has no MTP layer, and how to get one)."""
+    return "num_hidden_layers" in cfg and (int(cfg.get("num_nextn_predict_layers") or 0) > 0
+                                           or cfg.get("model_type") in DEEPSEEK_MODEL_TYPES)
 
 
 def read(path: Path) -> HeadBundle:
+    """A DeepSeek-style directory with its MTP layer at index L (a DeepSeek-V3 checkpoint, or
+    what `export` writes) -> bundle of our mtp head. Native layers (no `specheads_mtp` key)
+    read the target's post-final-norm state, as vLLM and SGLang feed them; ours the pre-norm
+    state they were trained on (HeadConfig.hidden_input)."""
     cfg = read_config(path)
     src = str(path)
-    if int(cfg.get("num_nextn_predict_layers") or 0) != 1:
-        raise ValueError(f"{src}: num_nextn_predict_layers={cfg.get('num_nextn_predict_layers')}; "
-                         "our mtp head is one layer (reused for every draft step)")
+    n_mtp = int(cfg.get("num_nextn_predict_layers") or 0)
     arch = ModelArch.from_hf_config(cfg)
-    prefix = f"model.layers.{arch.num_layers}."
-    # Only the MTP layer's tensors are read, so a 70B target's shards are opened, not loaded.
-    t = {name[len(prefix):]: get() for name, get in iter_safetensors(path)
-         if name.startswith(prefix)}
-    missing = [theirs for theirs in _OWN.values() if theirs not in t]
+    L = arch.num_layers
+    prefix = f"model.layers.{L}."
+    if n_mtp != 1:
+        raise ValueError(f"{src}: num_nextn_predict_layers={cfg.get('num_nextn_predict_layers')}"
+                         "; our mtp head is one MTP layer (reused for every draft step): "
+                         + (_NO_MTP_FIX.format(L=L) if n_mtp == 0 else "use a checkpoint with one"))
+    # Only the MTP layer's tensors are read, so a 670B target's shards are opened, not loaded.
+    t = {name: get() for name, get in iter_safetensors(path) if name.startswith(prefix)}
+    missing = [prefix + theirs for theirs in _OWN.values() if prefix + theirs not in t]
     if missing:
-        raise ValueError(f"{src}: no MTP layer {arch.num_layers} (missing {missing} under "
-                         f"{prefix!r})")
-    state = {ours: t.pop(theirs) for ours, theirs in _OWN.items()}
-    state.update(layer_from_hf(t, "", "layer.", arch, src))
-    embed, head = t.pop("embed_tokens.weight", None), t.pop("shared_head.head.weight", None)
-    refuse_unused({prefix + k: v for k, v in t.items()}, src, NAME)
+        raise ValueError(f"{src}: config.json says num_nextn_predict_layers=1, but the MTP "
+                         f"layer's tensor(s) {missing} are missing (transformers' "
+                         "save_pretrained drops layer {L}; so do some hub conversions): "
+                         .replace("{L}", str(L)) + _NO_MTP_FIX.format(L=L))
+    state = {ours: t.pop(prefix + theirs) for ours, theirs in _OWN.items()}
+    state.update(layer_from_hf(t, prefix, "layer.", arch, src))
+    embed = t.pop(prefix + "embed_tokens.weight", None)
+    head = t.pop(prefix + "shared_head.head.weight", None)
+    refuse_unused(t, src, NAME)
+    mtp = cfg.get("specheads_mtp") or {}
+    hidden_input = "pre_norm" if mtp.get("hidden_input") == "pre-final-norm" else "post_norm"
     target = cfg.get("specheads_target") or {"name": cfg.get("_name_or_path"), "path": src}
-    return HeadBundle(cfg_from_stamp(cfg.get("specheads_head"), "mtp"), arch, target, state, src,
-                      embed, head)
+    return HeadBundle(cfg_from_stamp(cfg.get("specheads_head"), "mtp", hidden_input=hidden_input),
+                      arch, target, state, src, embed, head)
+
+
+_NO_MTP_FIX = ("to draft with a native MTP layer, point draft.checkpoint at the original "
+               "checkpoint that ships model.layers.{L}.* (e.g. DeepSeek-V3/R1 from the hub); or "
+               "train one: python -m train head=mtp ..., then python -m train.export --format "
+               "deepseek_mtp --checkpoint <head> --target-dir <this dir> --output <dir>")
 
 
 def _frozen_tensors(target_dir: Path, arch: ModelArch) -> tuple[torch.Tensor, ...]:

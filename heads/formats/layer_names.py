@@ -4,13 +4,23 @@ Our layer fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj` (fewer GEM
 dispatches); HF, vLLM, SGLang, EAGLE and speculators checkpoints keep them split. The row
 slices come from the adapter the target loader uses (`hf_name_to_ours`), so this split can
 never disagree with how a target checkpoint is read.
+
+DeepSeek layers (multi-head latent attention, MLA) go through the DeepSeek adapter
+(model/deepseek_weights.py): q_a_proj (or q_proj) and kv_a_proj_with_mqa are fused into
+`self_attn.qkv_a_proj`, and an interleaved checkpoint's rotary rows are reordered; writing
+undoes both, so a written layer is byte-for-byte what a DeepSeek loader expects.
 """
 from __future__ import annotations
 
-import torch
+from dataclasses import replace
 
-from inference_eval.engine.model.arch import ModelArch
-from inference_eval.engine.model.weights import hf_name_to_ours
+import torch
+from torch import nn
+
+from inference_eval.engine.model.arch import DEEPSEEK_ARCHITECTURES, ModelArch
+from inference_eval.engine.model.deepseek_weights import deepseek_name_to_ours
+from inference_eval.engine.model.layers import DecoderLayer
+from inference_eval.engine.model.weights import hf_name_to_ours, load_hf_tensors
 
 # Every tensor a Llama-family decoder layer can hold, in HF names relative to the layer.
 HF_LAYER_LEAVES = (
@@ -21,6 +31,29 @@ HF_LAYER_LEAVES = (
     "post_attention_layernorm.weight",
     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
 )
+
+
+# A DeepSeek layer with a dense MLP (a head's layer): q low-rank leaves or q_proj, per the arch.
+_DEEPSEEK_Q_LORA = ("self_attn.q_a_proj.weight", "self_attn.q_a_proj.bias",
+                    "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight")
+_DEEPSEEK_Q_PLAIN = ("self_attn.q_proj.weight", "self_attn.q_proj.bias")
+_DEEPSEEK_REST = (
+    "input_layernorm.weight",
+    "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias",
+    "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight",
+    "self_attn.o_proj.weight", "self_attn.o_proj.bias",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+)
+
+
+def is_deepseek(arch: ModelArch) -> bool:
+    return arch.architecture in DEEPSEEK_ARCHITECTURES
+
+
+def deepseek_layer_leaves(arch: ModelArch) -> tuple[str, ...]:
+    """Every tensor a dense DeepSeek decoder layer can hold, in HF names relative to it."""
+    return (_DEEPSEEK_Q_LORA if arch.q_lora_rank is not None else _DEEPSEEK_Q_PLAIN) + _DEEPSEEK_REST
 
 
 def _ours(leaf: str, arch: ModelArch) -> tuple[str, slice | None]:
@@ -38,6 +71,8 @@ def layer_to_hf(state: dict[str, torch.Tensor], ours_prefix: str, hf_prefix: str
     Fused [q; k; v] rows [q_size + 2 kv_size, in] and [gate; up] rows [2 I, H] are cut into
     contiguous copies; leaves whose source is absent (no input norm, no bias) are skipped.
     """
+    if is_deepseek(arch):
+        return _deepseek_layer_to_hf(state, ours_prefix, hf_prefix, arch)
     out = {}
     for leaf in HF_LAYER_LEAVES:
         name, rows = _ours(leaf, arch)
@@ -51,6 +86,8 @@ def layer_from_hf(tensors: dict[str, torch.Tensor], hf_prefix: str, ours_prefix:
                   arch: ModelArch, source: str) -> dict[str, torch.Tensor]:
     """Inverse of layer_to_hf: fuses {hf_prefix + leaf} into our names and REMOVES the
     consumed entries from `tensors`, so the caller can reject whatever is left over."""
+    if is_deepseek(arch):
+        return _deepseek_layer_from_hf(tensors, hf_prefix, ours_prefix, arch, source)
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     want: dict[str, int] = {}
     for leaf in HF_LAYER_LEAVES:
@@ -71,3 +108,43 @@ def layer_from_hf(tensors: dict[str, torch.Tensor], hf_prefix: str, ours_prefix:
         got.sort(key=lambda p: p[0])
         out[ours_prefix + name] = got[0][1] if len(got) == 1 else torch.cat([t for _, t in got])
     return out
+
+
+def _deepseek_layer_to_hf(state: dict[str, torch.Tensor], ours_prefix: str, hf_prefix: str,
+                          arch: ModelArch) -> dict[str, torch.Tensor]:
+    out = {}
+    for leaf in deepseek_layer_leaves(arch):
+        ours, index, transform = deepseek_name_to_ours(f"model.layers.0.{leaf}", arch)
+        t = state.get(ours_prefix + ours.removeprefix("layers.0."))
+        if t is None:
+            continue
+        t = t if index is None else t[index]
+        if transform is not None:  # a row permutation: write its inverse
+            perm = transform(torch.arange(t.shape[0]).view(-1, 1).float()).view(-1).long()
+            t = torch.empty_like(t).index_copy_(0, perm, t)
+        out[hf_prefix + leaf] = t.contiguous()
+    return out
+
+
+def _deepseek_layer_from_hf(tensors: dict[str, torch.Tensor], hf_prefix: str, ours_prefix: str,
+                            arch: ModelArch, source: str) -> dict[str, torch.Tensor]:
+    """Loads the layer through the target's own adapter (load_hf_tensors), so every tensor
+    of our layer must be present and of its shape; a missing one is named by its HF name."""
+    a = replace(arch, num_layers=1, n_routed_experts=0)
+    moe = sorted(n for n in tensors if n.startswith(hf_prefix) and n[len(hf_prefix):].startswith(
+        ("mlp.experts.", "mlp.gate.", "mlp.shared_experts.")))
+    if moe:
+        raise ValueError(f"{source}: the layer under {hf_prefix!r} has a mixture-of-experts MLP "
+                         f"({moe[0]}, ...); our heads' layer has a dense MLP, and MoE layers in "
+                         "heads are not supported yet")
+    need = [leaf for leaf in deepseek_layer_leaves(a) if a.qkv_bias or not leaf.endswith(".bias")]
+    missing = [hf_prefix + leaf for leaf in need if hf_prefix + leaf not in tensors]
+    if missing:
+        raise ValueError(f"{source}: missing tensor(s) {missing}")
+    taken = {f"model.layers.0.{leaf}": tensors.pop(hf_prefix + leaf) for leaf in need}
+    holder = nn.Module()
+    holder.layers = nn.ModuleList([DecoderLayer(a, 0)])
+    holder.to(next(iter(taken.values())).dtype)
+    load_hf_tensors(holder, a, ((n, (lambda t=t: t)) for n, t in taken.items()), source)
+    return {ours_prefix + n.removeprefix("layers.0."): p.detach()
+            for n, p in holder.named_parameters()}

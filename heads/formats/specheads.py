@@ -26,7 +26,7 @@ from heads.formats.bundle import HeadBundle, check_compatible, read_config as re
 from heads.frozen import FrozenParts
 from heads.registry import build_head
 from inference_eval.engine.model.arch import ModelArch
-from inference_eval.engine.model.rope import rope_inv_freq, rope_tables
+from inference_eval.engine.model.rope import arch_rope_tables
 
 NAME = "specheads"
 FORMAT = "specheads-head-v1"
@@ -134,8 +134,8 @@ def _adopt_rope(head: DraftHead, arch: ModelArch) -> None:
     a = head.arch
     if (arch.rope_theta, arch.rope_scaling) == (a.rope_theta, a.rope_scaling):
         return
-    cos, sin = rope_tables(rope_inv_freq(a.head_dim, arch.rope_theta, arch.rope_scaling),
-                           head.rope_cos.shape[0])
-    head.rope_cos.copy_(cos)
-    head.rope_sin.copy_(sin)
-    head.arch = replace(a, rope_theta=arch.rope_theta, rope_scaling=arch.rope_scaling)
+    adopted = replace(a, rope_theta=arch.rope_theta, rope_scaling=arch.rope_scaling)
+    cos, sin = arch_rope_tables(adopted)
+    head.rope_cos.copy_(cos[:head.rope_cos.shape[0]])
+    head.rope_sin.copy_(sin[:head.rope_sin.shape[0]])
+    head.arch = adopted

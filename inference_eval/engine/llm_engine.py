@@ -7,6 +7,7 @@ allocator, cache and plan objects.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -51,11 +52,9 @@ class LLMEngine:
             self.cfg.cpu_blas == "auto" and self.device.type == "cpu" and self.dtype == torch.float32)
         set_cpu_blas(model, self.cpu_blas)
         self.max_context = min(arch.max_position_embeddings, self.cfg.max_context or 1 << 62)
-        num_pages = self.cfg.resolve_num_pages(
-            KVCache.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, self.dtype))
+        num_pages = self.cfg.resolve_num_pages(KVCache.bytes_per_token_for_arch(arch, self.dtype))
         self.allocator = PageAllocator(num_pages, self.cfg.page_size)
-        self.cache = KVCache(arch.num_layers, num_pages, self.cfg.page_size, arch.num_kv_heads,
-                             arch.head_dim, self.dtype, self.device)
+        self.cache = KVCache.for_arch(arch, num_pages, self.cfg.page_size, self.dtype, self.device)
         self.backend = make_backend(self.cfg.attention, self.device)
         self.scheduler = Scheduler(self.allocator, self.cfg.max_batch_size,
                                    self.cfg.max_batched_tokens, lookahead)
@@ -63,6 +62,8 @@ class LLMEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(self.cfg.seed)
         self._next_id = 0
         self.num_steps = 0
+        # Seconds per phase of generate()'s steps; a step with any prompt in it is a prefill.
+        self.timing = {"prefill": 0.0, "decode": 0.0}
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
@@ -91,24 +92,33 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """Run one scheduled step; returns the requests that finished in it."""
+        with self.step_threads(), torch.inference_mode():
+            return self._step()
+
+    @contextmanager
+    def step_threads(self):
+        """The thread setting every step runs under (benchmarks time steps under it too).
+        With the CPU BLAS path, OpenBLAS runs the one-row GEMMs on its own threads; torch's
+        OpenMP pool spinning beside it halves decode speed (measured), and the remaining
+        torch ops are tiny at decode."""
         if not self.cpu_blas:
-            with torch.inference_mode():
-                return self._step()
-        # OpenBLAS runs the GEMMs on its own threads; torch's OpenMP pool spinning beside it
-        # halves decode speed (measured), and the remaining torch ops are tiny at decode.
+            yield
+            return
         prev = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            with torch.inference_mode():
-                return self._step()
+            yield
         finally:
             torch.set_num_threads(prev)
 
     def _step(self) -> list[Request]:
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         done = list(batch.failed)
         if not batch.requests:
             return done
+        phase = "prefill" if any(r.num_cached == 0 or q > 1
+                                 for r, q in zip(batch.requests, batch.q_lens)) else "decode"
         layout = self.layout(batch)
         ids = torch.tensor([t for r in batch.requests for t in r.pending_ids], dtype=torch.long,
                            device=self.device)
@@ -119,6 +129,7 @@ class LLMEngine:
         tokens = sample(out.logits, st, self.generator).tolist()
         self.num_steps += 1
         for req, q, tok in zip(batch.requests, batch.q_lens, tokens):
+            req.prefill_steps += req.num_cached == 0 or q > 1
             req.num_cached += q
             req.output_ids.append(tok)
             req.proposed.append(0)
@@ -126,6 +137,7 @@ class LLMEngine:
             if req.check_stop(self.eos_ids):
                 self.scheduler.free(req)
                 done.append(req)
+        self.timing[phase] += time.perf_counter() - t0  # .tolist() above synchronized
         return done
 
     # ---- batch API ----------------------------------------------------------------------
@@ -167,4 +179,5 @@ class LLMEngine:
         return GenerationResult(i, req.prompt_ids, list(req.output_ids), text, req.finish_reason,
                                 req.error, req.num_preemptions,
                                 meta={"target_steps": len(req.accepted), "proposed": list(req.proposed),
-                                      "accepted": list(req.accepted)})
+                                      "accepted": list(req.accepted),
+                                      "prefill_steps": req.prefill_steps})

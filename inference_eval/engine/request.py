@@ -32,6 +32,9 @@ class Request:
     # (autoregressive steps propose 0). len(...) = target steps; see spec/metrics.py.
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    # How many of those steps were prefills (the prompt, or its recompute after a
+    # preemption): they verify nothing, so τ is taken over the other steps.
+    prefill_steps: int = 0
 
     @property
     def token_ids(self) -> list[int]:

@@ -182,11 +182,9 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu",
 
 
 def _reset_rope(model: TransformerLM) -> None:
-    from inference_eval.engine.model.rope import rope_inv_freq, rope_tables
+    from inference_eval.engine.model.rope import arch_rope_tables
 
-    a = model.arch
-    cos, sin = rope_tables(rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling),
-                           a.max_position_embeddings)
+    cos, sin = arch_rope_tables(model.arch)
     model.rope_cos.copy_(cos)
     model.rope_sin.copy_(sin)
 

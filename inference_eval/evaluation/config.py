@@ -45,6 +45,9 @@ class DraftConfig:
     depth: int = 5
     total_tokens: int = 60
     llm: TargetConfig | None = None
+    # Head chains: the head catches up on the verify pass's layout before the host learns the
+    # accepted length (the write-up's MTP round; see engine/speculative/drafters.py).
+    sync_free: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFT_KINDS:
@@ -60,6 +63,9 @@ class DraftConfig:
         if self.kind == "llm" and self.llm is None:
             raise ValueError("draft.llm (a target-like config of the draft model) is required "
                              "with draft=llm")
+        if self.sync_free and (self.kind != "head" or self.scheme != "chain"):
+            raise ValueError("draft.sync_free applies to head chains (draft=head, "
+                             f"scheme=chain), not kind={self.kind} scheme={self.scheme}")
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
             raise ValueError(f"draft.name must be a non-empty string or null, got {self.name!r}")
 
@@ -82,16 +88,22 @@ class DraftConfig:
 class EvalSettings:
     """The `eval` key. batch_size: requests decoded together (the engine's max batch; the
     prompts of a turn are queued at once and continuously batched). warmup: one short
-    untimed generation per engine first, so lazy init (BLAS, kernels) is not timed."""
+    untimed generation per engine first, so lazy init (BLAS, kernels) is not timed.
+    repeats: every run is timed this many times, the runs interleaved (ar, d1, d2, ar, d1,
+    ...) so drift hits them alike; speeds are reported as median and best. Acceptance and
+    outputs come from the first pass (greedy passes are identical)."""
 
     batch_size: int = 8
     chat: bool = True
     warmup: bool = True
     progress: bool = True
+    repeats: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"eval.batch_size must be an integer >= 1, got {self.batch_size!r}")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"eval.repeats must be an integer >= 1, got {self.repeats!r}")
 
 
 @dataclass

@@ -51,9 +51,14 @@ def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg)
                 raise ValueError(f"draft.scheme=tree needs draft=head with an MTP/EAGLE head; "
                                  f"{draft_cfg.checkpoint} holds a {head.cfg.type!r} head (no "
                                  "token input to grow a tree from): use scheme=chain")
+            if getattr(draft_cfg, "sync_free", False):
+                raise ValueError(f"draft.sync_free needs an MTP/EAGLE head; {draft_cfg.checkpoint} "
+                                 "holds a Medusa head (no cache to catch up)")
             make = lambda pages, ps, dev, dt: MedusaDrafter(head, dev, dt)  # noqa: E731
         else:
-            make = lambda pages, ps, dev, dt: HeadDrafter(head, pages, ps, dev, dt)  # noqa: E731
+            sync_free = getattr(draft_cfg, "sync_free", False)
+            make = lambda pages, ps, dev, dt: HeadDrafter(head, pages, ps, dev, dt,  # noqa: E731
+                                                          sync_free=sync_free)
     elif kind == "llm":
         draft = load_target(draft_cfg.llm, device=next(loaded.model.parameters()).device,
                             with_tokenizer=False).model

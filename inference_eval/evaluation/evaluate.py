@@ -7,9 +7,11 @@ much faster is it, on the engine itself.
         prompts=sharegpt_heldout eval.batch_size=4
 
 One run per engine, all on the same prompts and settings: the autoregressive baseline first
-(ar_tokens_per_s, speedup, lossless check), then every requested draft. Prompts run turn by
-turn; turn t sees the run's own earlier answers. Writes output_dir/report.{json,md}, PNGs and
-outputs.jsonl (see report.py).
+(ar_tokens_per_s, speedup, lossless check), then every requested draft; `eval.repeats`
+passes over them all, interleaved, for the speed figures. Prompts run turn by turn; turn t
+of every run replays the baseline's earlier answers as its history, so all runs decode
+after the same contexts. Writes output_dir/report.{json,md}, PNGs and outputs.jsonl (see
+report.py).
 """
 from __future__ import annotations
 
@@ -72,12 +74,17 @@ def turn_prompt(history: list[dict[str, str]], user: str, chat: bool) -> Any:
     return messages if chat else "\n\n".join(m["content"] for m in messages)
 
 
-def run_items(runner: Runner, items: Sequence[PromptItem],
-              params: SamplingParams) -> tuple[list[TurnOutput], float]:
+Replay = dict[tuple[str, int], str]  # (prompt id, turn) -> the answer later turns see
+
+
+def run_items(runner: Runner, items: Sequence[PromptItem], params: SamplingParams,
+              replay: Replay | None = None) -> tuple[list[TurnOutput], float]:
     """All turns of all items; returns (outputs ordered by turn then item, generate wall s).
 
     Turn t of every item that has one is queued at once (the engine batches up to
-    eval.batch_size); an item whose turn failed gets its later turns as skipped errors."""
+    eval.batch_size); an item whose turn failed gets its later turns as skipped errors.
+    replay: the answers earlier turns are given in the history (the baseline's), instead of
+    this run's own."""
     history: dict[str, list[dict[str, str]]] = {it.id: [] for it in items}
     failed: dict[str, int] = {}
     outputs: list[TurnOutput] = []
@@ -97,27 +104,41 @@ def run_items(runner: Runner, items: Sequence[PromptItem],
             outputs.append(out)
             if not out.ok:
                 failed[it.id] = t
+            own = res.text or ""
+            answer = own if replay is None else replay.get((it.id, t), own)
             history[it.id] += [{"role": "user", "content": it.turns[t]},
-                               {"role": "assistant", "content": res.text or ""}]
+                               {"role": "assistant", "content": answer}]
     return outputs, wall
 
 
 def run_one(loaded: LoadedTarget, engine_cfg: EngineConfig, draft: DraftConfig,
-            items: Sequence[PromptItem], cfg: EvalConfig) -> RunResult:
+            items: Sequence[PromptItem], cfg: EvalConfig, replay: Replay | None = None) -> RunResult:
     runner = Runner(lambda: build_engine(loaded, engine_cfg, draft), cfg.eval.chat,
                     cfg.eval.progress)
     if cfg.eval.warmup:
         warm = replace(cfg.sampling, max_new_tokens=min(8, cfg.sampling.max_new_tokens))
         runner.generate([turn_prompt([], items[0].turns[0], cfg.eval.chat)], warm)
-    timing = getattr(runner.engine, "timing", None)
-    if timing is not None:
-        timing.update({k: 0.0 for k in timing})  # time the measured prompts only
-    outputs, wall = run_items(runner, items, cfg.sampling)
+    for stats in (getattr(runner.engine, "timing", None), getattr(runner.engine, "counters", None)):
+        if stats is not None:
+            stats.update({k: 0 * v for k, v in stats.items()})  # the measured prompts only
+    outputs, wall = run_items(runner, items, cfg.sampling, replay)
     # A rebuilt engine (after a failing prompt) restarts its timing; the split is then partial.
     split = dict(getattr(runner.engine, "timing", None) or {})
+    counters = dict(getattr(runner.engine, "counters", None) or {})
     runner.engine = None  # free its KV cache before the next run allocates one
     free_device_memory()
-    return RunResult(draft.label, draft.report_scheme, asdict(draft), outputs, wall, split)
+    return RunResult(draft.label, draft.report_scheme, asdict(draft), outputs, wall, split,
+                     counters=counters)
+
+
+def combine_passes(passes: list[RunResult]) -> RunResult:
+    """One run from its timed passes: the first pass's outputs, the median pass's wall time
+    and time split, every pass's wall time (wall_s_passes) for the best and the spread."""
+    walls = [p.wall_s for p in passes]
+    median = sorted(range(len(passes)), key=walls.__getitem__)[(len(passes) - 1) // 2]
+    first = passes[0]
+    return replace(first, wall_s=walls[median], time_split_s=passes[median].time_split_s,
+                   wall_s_passes=walls)
 
 
 def settings_of(cfg: EvalConfig, loaded: LoadedTarget, items: Sequence[PromptItem],
@@ -129,6 +150,7 @@ def settings_of(cfg: EvalConfig, loaded: LoadedTarget, items: Sequence[PromptIte
         "drafts": [asdict(d) for d in cfg.draft_runs()],
         "sampling": asdict(cfg.sampling),
         "batch_size": cfg.eval.batch_size,
+        "repeats": cfg.eval.repeats,
         "max_new_tokens": cfg.sampling.max_new_tokens,
         "prompts": {**asdict(cfg.prompts), "num_items": len(items),
                     "num_turns": sum(len(it.turns) for it in items)},
@@ -153,10 +175,18 @@ def main(cfg: EvalConfig) -> dict[str, Any]:
     engine_cfg = replace(cfg.engine, max_batch_size=cfg.eval.batch_size)
     print(f"{len(items)} prompts ({sum(len(it.turns) for it in items)} turns), runs: "
           f"{[BASELINE_LABEL] + [d.label for d in drafts]}")
-    runs = []
-    for draft in [DraftConfig(kind="none", name=BASELINE_LABEL)] + drafts:
-        runs.append(run_one(loaded, engine_cfg, draft, items, cfg))
-        print(f"[{draft.label}] {len(runs[-1].outputs)} outputs in {runs[-1].wall_s:.1f}s")
+    order = [DraftConfig(kind="none", name=BASELINE_LABEL)] + drafts
+    passes: list[list[RunResult]] = [[] for _ in order]
+    replay: Replay | None = None
+    for rep in range(cfg.eval.repeats):
+        for i, draft in enumerate(order):
+            res = run_one(loaded, engine_cfg, draft, items, cfg, replay)
+            passes[i].append(res)
+            if replay is None:  # the baseline's first pass: every later run replays it
+                replay = {(o.prompt_id, o.turn): o.text or "" for o in res.outputs if o.ok}
+            print(f"[{draft.label}] {len(res.outputs)} outputs in {res.wall_s:.1f}s"
+                  + (f" (pass {rep + 1}/{cfg.eval.repeats})" if cfg.eval.repeats > 1 else ""))
+    runs = [combine_passes(p) for p in passes]
     report = build_report(runs, settings_of(cfg, loaded, items, engine_cfg, device))
     paths = write_report(report, cfg.output_dir, runs)
     print_summary(report)
@@ -172,6 +202,8 @@ def print_summary(report: dict[str, Any]) -> None:
         print(f"[{r['name']}] τ={'-' if tau is None else f'{tau:.3f}'}  α=[{alpha}]  "
               f"tok/s={'-' if tps is None else f'{tps:.1f}'}  "
               f"speedup={'-' if sp is None else f'{sp:.2f}x'}"
+              + ("" if r["scheme"] == "ar" or r.get("decode_speedup") is None else
+                 f" (decode {r['decode_speedup']:.2f}x)")
               + ("" if lc is None or r["scheme"] == "ar" else
                  f"  lossless mismatched {lc['mismatched']}/{lc['compared']}")
               + (f"  errors={r['num_errors']}" if r["num_errors"] else ""))

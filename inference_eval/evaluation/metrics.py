@@ -3,7 +3,11 @@
 Inputs are `TurnOutput`s: one per (prompt, turn), carrying the engine's per-step meta
 (`proposed[s]`, `accepted[s]` for every target step s). Names follow ARCHITECTURE.md:
 
-- mean_accept_len τ = generated tokens / target steps, bonus token included (AR: exactly 1).
+- mean_accept_len τ = tokens emitted per verification round, bonus token included (AR:
+  exactly 1): (generated tokens - prefill steps) / (target steps - prefill steps), since a
+  prefill step (the prompt, or its recompute after a preemption) emits one token and
+  verifies nothing. tokens_per_target_pass = generated tokens / target steps, prefills
+  included, is reported beside it (what a short answer actually gets per target forward).
 - accept_len_hist[a] = number of target steps that accepted exactly a drafts, a = 0..K.
 - per_position_accept_rate α_k = P(draft k accepted | drafts 1..k-1 accepted), k = 1..K.
   Position k is *attempted* in a step when proposed >= k and accepted >= k-1, and
@@ -12,8 +16,9 @@ Inputs are `TurnOutput`s: one per (prompt, turn), carrying the engine's per-step
   verified path (a depth the pruned tree never reached there is not attempted); and when an
   EOS among the drafts ends the request, only the drafts up to it (in accepted[s] too).
 
-Worked example, one request, K = 3, three steps with (proposed, accepted) = (3,2), (3,0), (3,3):
-    tokens = 3 + 1 + 4 = 8, steps = 3, τ = 8/3; hist = [1, 0, 1, 1]
+Worked example, one request, K = 3, three rounds with (proposed, accepted) = (3,2), (3,0), (3,3)
+after its prefill (0,0):
+    tokens = 1 + 3 + 1 + 4 = 9, steps = 4, τ = 8/3, tokens per pass 9/4; hist = [2, 0, 1, 1]
     α_1 = 2/3 (steps 1,3 of 3), α_2 = 2/2, α_3 = 1/2
 Outputs with an `error` are left out of every number (they are listed in the report instead).
 """
@@ -42,6 +47,7 @@ class TurnOutput:
     finish_reason: str | None = None
     error: str | None = None
     text: str | None = None
+    prefill_steps: int = 0  # how many of the steps were prefills (see the module docstring)
 
     @property
     def ok(self) -> bool:
@@ -59,19 +65,22 @@ class TurnOutput:
         meta = result.meta or {}
         proposed = [int(x) for x in meta.get("proposed", [])]
         accepted = [int(x) for x in meta.get("accepted", [])]
+        prefills = int(meta.get("prefill_steps", 0))
         error = result.error
         if error is None:
             steps = int(meta.get("target_steps", -1))
             if not (steps == len(proposed) == len(accepted)):
                 error = (f"engine meta inconsistent: target_steps={steps}, "
                          f"len(proposed)={len(proposed)}, len(accepted)={len(accepted)}")
+            elif not 0 <= prefills <= steps:
+                error = f"engine meta inconsistent: {prefills} prefill steps of {steps}"
             elif any(a > p or a < 0 for p, a in zip(proposed, accepted)):
                 error = "engine meta inconsistent: a step accepted more drafts than it proposed"
             elif len(result.token_ids) > steps + sum(accepted):
                 error = (f"engine meta inconsistent: {len(result.token_ids)} tokens from "
                          f"{steps} steps accepting {sum(accepted)} drafts")
         return cls(prompt_id, category, turn, list(result.token_ids), proposed, accepted,
-                   result.finish_reason, error, result.text)
+                   result.finish_reason, error, result.text, prefills)
 
 
 def _ok(outputs: Sequence[TurnOutput]) -> list[TurnOutput]:
@@ -94,8 +103,18 @@ def target_steps(outputs: Sequence[TurnOutput]) -> int:
     return sum(o.target_steps for o in _ok(outputs))
 
 
+def prefill_steps(outputs: Sequence[TurnOutput]) -> int:
+    return sum(o.prefill_steps for o in _ok(outputs))
+
+
 def mean_accept_len(outputs: Sequence[TurnOutput]) -> float | None:
-    """τ = generated tokens / target steps (None when no step ran)."""
+    """τ = tokens emitted per verification round (prefills excluded; None without rounds)."""
+    rounds = target_steps(outputs) - prefill_steps(outputs)
+    return (generated_tokens(outputs) - prefill_steps(outputs)) / rounds if rounds else None
+
+
+def tokens_per_target_pass(outputs: Sequence[TurnOutput]) -> float | None:
+    """Generated tokens / target forwards, prefills included (None when no step ran)."""
     steps = target_steps(outputs)
     return generated_tokens(outputs) / steps if steps else None
 
@@ -145,7 +164,9 @@ def summarize(outputs: Sequence[TurnOutput], k: int | None = None) -> dict[str, 
         # Steps that verified at least one draft: the rest (prefill, no proposal) sit in
         # accept_len_hist[0] as well, so hist[0] - (target_steps - draft_steps) were rejections.
         "draft_steps": int((_steps(outputs)[0] > 0).sum()),
+        "prefill_steps": prefill_steps(outputs),
         "mean_accept_len": mean_accept_len(outputs),
+        "tokens_per_target_pass": tokens_per_target_pass(outputs),
         "accept_len_hist": accept_len_hist(outputs, k),
         "per_position_accept_rate": per_position_accept_rate(outputs, k),
     }

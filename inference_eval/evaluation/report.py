@@ -4,10 +4,16 @@ report.json (format_version 1):
     settings: target, drafts, sampling, batch_size, max_new_tokens, prompts, engine, ...
     runs:     one entry per run, the AR baseline first (name "ar", scheme "ar"), each with
               name, scheme, draft, num_prompts, num_outputs, num_errors, generated_tokens,
-              target_steps, draft_steps, mean_accept_len, accept_len_hist, per_position_accept_rate,
-              position_counts {attempted, accepted}, wall_s, time_split_s {prefill,
-              draft, verify, catch_up} (speculative runs), tokens_per_s, ar_tokens_per_s,
-              speedup, lossless_check {compared, mismatched, mismatches} (null unless greedy),
+              target_steps, prefill_steps, draft_steps, mean_accept_len (τ over the
+              verification rounds), tokens_per_target_pass (prefills included),
+              accept_len_hist, per_position_accept_rate, position_counts {attempted,
+              accepted}, wall_s (the median pass), wall_s_passes (every timed pass),
+              time_split_s ({prefill, decode} for the baseline, {prefill, draft, verify,
+              catch_up} for speculative runs), tokens_per_s, ar_tokens_per_s, speedup (all
+              from median passes), best_speedup (best pass over best baseline pass),
+              decode_tokens_per_s and decode_speedup (prefill time and its tokens left out),
+              host_syncs_per_round (chain engines: device-to-host reads per decode round),
+              lossless_check {compared, mismatched, mismatches} (null unless greedy),
               by_category {category: summary}, errors [{id, turn, error}]
     primary:  name of the run whose keys are repeated at the top level: the first draft run,
               or the baseline when no draft ran (ARCHITECTURE.md's report keys).
@@ -42,9 +48,19 @@ class RunResult:
     draft: dict[str, Any]
     outputs: list[TurnOutput]
     wall_s: float
-    # Seconds per phase of the speculative step (prefill, draft, verify, catch_up), warmup
-    # excluded; empty for the autoregressive baseline.
+    # Seconds per phase of the engine's steps (baseline: prefill, decode; speculative:
+    # prefill, draft, verify, catch_up), warmup excluded.
     time_split_s: dict[str, float] = field(default_factory=dict)
+    wall_s_passes: list[float] = field(default_factory=list)  # every timed pass (eval.repeats)
+    counters: dict[str, int] = field(default_factory=dict)  # chain engines: rounds, host_syncs
+
+
+def _decode_tps(run: "RunResult", s: dict[str, Any]) -> float | None:
+    """Tokens/s of the decode phase: the prefill's time and the token each prefill emits out."""
+    pre = run.time_split_s.get("prefill")
+    if pre is None or run.wall_s - pre <= 0:
+        return None
+    return (s["generated_tokens"] - s["prefill_steps"]) / (run.wall_s - pre)
 
 
 def run_summary(run: RunResult, baseline: RunResult, greedy: bool) -> dict[str, Any]:
@@ -54,6 +70,11 @@ def run_summary(run: RunResult, baseline: RunResult, greedy: bool) -> dict[str, 
     tps = s["generated_tokens"] / run.wall_s if run.wall_s > 0 else None
     base_tok = sum(len(o.token_ids) for o in baseline.outputs if o.ok)
     ar_tps = base_tok / baseline.wall_s if baseline.wall_s > 0 else None
+    best = min(run.wall_s_passes or [run.wall_s])
+    base_best = min(baseline.wall_s_passes or [baseline.wall_s])
+    best_speedup = ((s["generated_tokens"] / best) / (base_tok / base_best)
+                    if best > 0 and base_best > 0 and base_tok else None)
+    dec, ar_dec = _decode_tps(run, s), _decode_tps(baseline, summarize(baseline.outputs))
     lossless = None
     if greedy:
         lossless = (lossless_check(run.outputs, baseline.outputs) if run is not baseline
@@ -63,6 +84,10 @@ def run_summary(run: RunResult, baseline: RunResult, greedy: bool) -> dict[str, 
         "position_counts": position_counts(run.outputs, k),
         "wall_s": run.wall_s, "time_split_s": dict(run.time_split_s), "tokens_per_s": tps, "ar_tokens_per_s": ar_tps,
         "speedup": tps / ar_tps if tps and ar_tps else None,
+        "wall_s_passes": list(run.wall_s_passes or [run.wall_s]), "best_speedup": best_speedup,
+        "decode_tokens_per_s": dec, "decode_speedup": dec / ar_dec if dec and ar_dec else None,
+        "host_syncs_per_round": (run.counters["host_syncs"] / run.counters["rounds"]
+                                 if run.counters.get("rounds") else None),
         "lossless_check": lossless,
         "by_category": by_category(run.outputs, k),
         "errors": [{"id": o.prompt_id, "turn": o.turn, "error": o.error}
@@ -136,17 +161,19 @@ def render_markdown(report: dict[str, Any]) -> str:
     rows = []
     for r in runs:
         lc = r["lossless_check"]
-        rows.append([r["name"], r["scheme"], r["mean_accept_len"], r["tokens_per_s"],
-                     r["speedup"], "-" if lc is None else f"{lc['mismatched']}/{lc['compared']}",
+        rows.append([r["name"], r["scheme"], r["mean_accept_len"], r.get("tokens_per_target_pass"),
+                     r["tokens_per_s"], r["speedup"], r.get("best_speedup"),
+                     r.get("decode_speedup"),
+                     "-" if lc is None else f"{lc['mismatched']}/{lc['compared']}",
                      r["generated_tokens"], r["target_steps"], r["num_errors"],
                      *(r["per_position_accept_rate"] + [None] * k)[:k]])
-    lines += _table(["run", "scheme", "τ", "tok/s", "speedup", "lossless mismatched/compared",
-                     "tokens", "target steps", "errors", *(f"α_{i}" for i in range(1, k + 1))],
-                    rows)
+    lines += _table(["run", "scheme", "τ (rounds)", "tokens/target pass", "tok/s", "speedup",
+                     "best speedup", "decode speedup", "lossless mismatched/compared", "tokens",
+                     "target steps", "errors", *(f"α_{i}" for i in range(1, k + 1))], rows)
     timed = [r for r in runs if r.get("time_split_s")]
     if timed:
-        phases = list(timed[0]["time_split_s"])
-        lines += ["## Where the time goes (seconds, speculative runs)", ""]
+        phases = list(dict.fromkeys(p for r in timed for p in r["time_split_s"]))
+        lines += ["## Where the time goes (seconds, median pass)", ""]
         lines += _table(["run", "wall", *phases],
                         [[r["name"], r["wall_s"], *(r["time_split_s"].get(p) for p in phases)]
                          for r in timed])

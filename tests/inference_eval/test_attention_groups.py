@@ -68,3 +68,23 @@ def test_grouped_attention_equals_one_padded_batch(q_lens):
     b = plain.attend(0, q, k, v, caches[1])
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(caches[0].layer(0)[0], caches[1].layer(0)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_consecutive_pages_read_as_one_slice_equal_the_gather(q_len):
+    """Batch 1 on consecutive pages reads its keys as a slice of the cache (no gather); the
+    same keys on scattered pages go through the gather; both attend alike."""
+    ps, kv, heads, kvh, d = 4, 13, 4, 2, 8
+    g = torch.Generator().manual_seed(0)
+    k_all, v_all = torch.randn(kv, kvh, d, generator=g), torch.randn(kv, kvh, d, generator=g)
+    q = torch.randn(q_len, heads, d, generator=g)
+    outs = []
+    for table in ([2, 3, 4, 5], [7, 1, 5, 3]):
+        cache = KVCache(1, 8, ps, kvh, d)
+        old = BatchLayout([kv - q_len], [kv - q_len], [table], ps)
+        TorchAttentionPlan(old, "cpu").attend(0, q[:1].expand(kv - q_len, -1, -1).contiguous(),
+                                               k_all[:kv - q_len], v_all[:kv - q_len], cache)
+        plan = TorchAttentionPlan(BatchLayout([q_len], [kv], [table], ps), "cpu")
+        assert (plan.kv_span is not None) == (table == [2, 3, 4, 5])
+        outs.append(plan.attend(0, q, k_all[kv - q_len:], v_all[kv - q_len:], cache))
+    torch.testing.assert_close(outs[0], outs[1])

@@ -129,7 +129,8 @@ def test_missing_head_checkpoint_is_a_clear_error_before_the_baseline(monkeypatc
 
 class FakeSpecEngine:
     """LLMEngine's tokens, regrouped into steps of up to K+1 as a chain drafter would emit
-    them; a prompt containing EXPLODE makes the whole batch raise."""
+    them, with a marked text (so a replayed history is told from its own); a prompt
+    containing EXPLODE makes the whole batch raise."""
 
     seen: list = []
 
@@ -147,7 +148,8 @@ class FakeSpecEngine:
             while left > 0:
                 take = min(left, self.k + 1)
                 p, a, left = p + [self.k], a + [take - 1], left - take
-            r.meta = {"target_steps": len(p), "proposed": p, "accepted": a}
+            r.meta = {"target_steps": len(p), "proposed": p, "accepted": a, "prefill_steps": 1}
+            r.text = f"{r.text} [k={self.k}]"
         return results
 
 
@@ -160,7 +162,7 @@ def test_several_drafts_one_report_and_a_failing_prompt(tmp_path, prompt_file, m
     cfg = compose("eval", EvalConfig, [
         *FAST, "prompts=jsonl", f"prompts.path={prompt_file}", f"output_dir={tmp_path / 'o'}",
         "drafts=[{kind:head,checkpoint:ck,name:k2,num_draft:2},{kind:head,checkpoint:ck,name:k3,"
-        "num_draft:3}]"])
+        "num_draft:3}]", "eval.repeats=2"])
     report = evaluate.main(cfg)
     assert [r["name"] for r in report["runs"]] == ["ar", "k2", "k3"] and report["primary"] == "k2"
     ar, k2, k3 = report["runs"]
@@ -173,9 +175,14 @@ def test_several_drafts_one_report_and_a_failing_prompt(tmp_path, prompt_file, m
         assert run["generated_tokens"] == ar["generated_tokens"] - boom_tokens
         assert run["lossless_check"]["compared"] == 4 and run["lossless_check"]["mismatched"] == 0
         assert len(run["accept_len_hist"]) == k + 1 and run["mean_accept_len"] > 1
-    # Turn 2 of the MT-bench item carries the run's own answer to turn 1.
+    # Two interleaved timed passes per run; acceptance from the first.
+    assert all(len(r["wall_s_passes"]) == 2 and r["best_speedup"] > 0 for r in (ar, k2, k3))
+    assert all(r["wall_s"] == min(r["wall_s_passes"]) for r in (ar, k2, k3))  # lower median
+    # Turn 2 of the MT-bench item replays the baseline's answer to turn 1, not the run's own.
     answer = next(o["text"] for o in outputs
-                  if o["run"] == "k3" and o["id"] == "7" and o["turn"] == 0)
+                  if o["run"] == "ar" and o["id"] == "7" and o["turn"] == 0)
+    own = next(o["text"] for o in outputs if o["run"] == "k3" and o["id"] == "7" and o["turn"] == 0)
+    assert own != answer and own.endswith("[k=3]")
     second = [p for batch in FakeSpecEngine.seen for p in batch if len(p) == 3][-1]
     assert second == [{"role": "user", "content": "Write a haiku."},
                       {"role": "assistant", "content": answer},
@@ -195,7 +202,12 @@ def test_real_spec_engine_self_draft_is_lossless(tmp_path, prompt_file):
     assert report["primary"] == "self" and report["num_errors"] == 0
     assert report["lossless_check"]["compared"] == 4 and report["lossless_check"]["mismatched"] == 0
     assert report["per_position_accept_rate"] == [1.0, 1.0, 1.0]
-    assert report["mean_accept_len"] == report["generated_tokens"] / report["target_steps"] > 1
+    pre = report["prefill_steps"]
+    assert pre == 4  # one per prompt: nothing was preempted
+    assert report["mean_accept_len"] > 1
+    assert report["mean_accept_len"] == pytest.approx(
+        (report["generated_tokens"] - pre) / (report["target_steps"] - pre))
+    assert report["tokens_per_target_pass"] == report["generated_tokens"] / report["target_steps"]
 
 
 def test_head_chain_and_tree_side_by_side(tmp_path, prompt_file):
@@ -219,10 +231,16 @@ def test_head_chain_and_tree_side_by_side(tmp_path, prompt_file):
     assert (c2["scheme"], tree["scheme"]) == ("chain", "tree")
     for run, k in ((c2, 2), (tree, 3)):
         assert run["lossless_check"] == {"compared": 4, "mismatched": 0, "mismatches": []}
-        assert run["mean_accept_len"] == pytest.approx(run["generated_tokens"] / run["target_steps"])
+        pre = run["prefill_steps"]
+        assert run["mean_accept_len"] == pytest.approx(
+            (run["generated_tokens"] - pre) / (run["target_steps"] - pre))
         assert sum(run["accept_len_hist"]) == run["target_steps"] and len(run["accept_len_hist"]) <= k + 1
         split = run["time_split_s"]
         assert set(split) == {"prefill", "draft", "verify", "catch_up"}
         assert all(v > 0 for v in split.values()) and sum(split.values()) <= run["wall_s"]
-    assert ar["time_split_s"] == {}
+    assert set(ar["time_split_s"]) == {"prefill", "decode"}  # the baseline is split too
+    assert sum(ar["time_split_s"].values()) <= ar["wall_s"]
+    for run in (c2, tree):
+        assert run["decode_speedup"] > 0 and run["decode_tokens_per_s"] > 0
+    assert c2["host_syncs_per_round"] == 1.0  # drafts stay on the device until verification
     assert "Where the time goes" in (tmp_path / "o" / "report.md").read_text()

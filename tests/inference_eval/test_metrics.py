@@ -13,31 +13,41 @@ from inference_eval.evaluation.metrics import (
     by_category,
     lossless_check,
     mean_accept_len,
+    tokens_per_target_pass,
     per_position_accept_rate,
     summarize,
 )
 
 
-def _out(steps, pid="p", cat="c", turn=0, tokens=None, error=None):
-    """TurnOutput from [(proposed, accepted)] steps; tokens default to accepted + 1 per step."""
+def _out(steps, pid="p", cat="c", turn=0, tokens=None, error=None, prefills=0):
+    """TurnOutput from [(proposed, accepted)] steps, the first `prefills` of them prefills;
+    tokens default to accepted + 1 per step."""
     p = [s[0] for s in steps]
     a = [s[1] for s in steps]
     n = sum(x + 1 for x in a) if tokens is None else tokens
-    return TurnOutput(pid, cat, turn, list(range(n)), p, a, "length", error)
+    return TurnOutput(pid, cat, turn, list(range(n)), p, a, "length", error, None, prefills)
 
 
 def test_docstring_example_by_hand():
-    # K = 3; steps (3,2), (3,0), (3,3): tokens 3 + 1 + 4 = 8 over 3 steps.
-    o = [_out([(3, 2), (3, 0), (3, 3)])]
+    # K = 3; a prefill, then rounds (3,2), (3,0), (3,3): tokens 1 + 3 + 1 + 4 = 9 over 4
+    # target passes, 8 of them from the 3 verification rounds.
+    o = [_out([(0, 0), (3, 2), (3, 0), (3, 3)], prefills=1)]
     assert mean_accept_len(o) == pytest.approx(8 / 3)
-    assert accept_len_hist(o) == [1, 0, 1, 1]
+    assert tokens_per_target_pass(o) == pytest.approx(9 / 4)
+    assert accept_len_hist(o) == [2, 0, 1, 1]
     assert per_position_accept_rate(o) == pytest.approx([2 / 3, 2 / 2, 1 / 2])
+
+
+def test_prefill_only_output_has_no_tau():
+    o = [_out([(0, 0)], prefills=1)]
+    assert mean_accept_len(o) is None and tokens_per_target_pass(o) == 1.0
 
 
 def test_variable_draft_lengths_by_hand():
     # A prefill step (0,0) never attempts position 1; a step proposing 1 cannot attempt 2.
-    o = [_out([(0, 0), (2, 2), (1, 1), (2, 1)])]
-    assert mean_accept_len(o) == pytest.approx(8 / 4)  # tokens 1 + 3 + 2 + 2
+    o = [_out([(0, 0), (2, 2), (1, 1), (2, 1)], prefills=1)]
+    assert mean_accept_len(o) == pytest.approx(7 / 3)  # rounds emit 3 + 2 + 2
+    assert tokens_per_target_pass(o) == pytest.approx(8 / 4)
     assert accept_len_hist(o) == [1, 2, 1]
     # position 1: attempted in steps 2,3,4 (all accepted); position 2: steps 2 and 4 -> 1 of 2
     assert per_position_accept_rate(o) == pytest.approx([1.0, 0.5])
@@ -53,14 +63,14 @@ def test_autoregressive_is_tau_one():
 
 
 def _loop_metrics(outputs, k):
-    """The definitions, one step at a time."""
+    """The definitions, one step at a time (τ over the rounds after each output's prefills)."""
     hist, att, acc, toks, steps = [0] * (k + 1), [0] * k, [0] * k, 0, 0
     for o in outputs:
         if o.error:
             continue
-        toks += len(o.token_ids)
-        for p, a in zip(o.proposed, o.accepted):
-            steps += 1
+        toks += len(o.token_ids) - o.prefill_steps
+        for j, (p, a) in enumerate(zip(o.proposed, o.accepted)):
+            steps += j >= o.prefill_steps
             hist[a] += 1
             for pos in range(1, k + 1):
                 if p >= pos and a >= pos - 1:
@@ -80,7 +90,7 @@ def test_vectorized_equals_per_step_loop(seed):
             p = rng.randint(1, 5)
             steps.append((p, rng.randint(0, p)))
         # max_new_tokens can cut the last step short: fewer tokens than accepted + 1
-        o = _out(steps, pid=f"p{i}", cat=rng.choice("xyz"), tokens=None)
+        o = _out(steps, pid=f"p{i}", cat=rng.choice("xyz"), tokens=None, prefills=1)
         o.token_ids = o.token_ids[:len(o.token_ids) - rng.randint(0, 1) * (len(steps) > 1)]
         o.error = "boom" if i == 3 else None
         outs.append(o)
@@ -90,7 +100,8 @@ def test_vectorized_equals_per_step_loop(seed):
     assert accept_len_hist(outs) == hist
     assert per_position_accept_rate(outs) == pytest.approx(alpha)
     cats = by_category(outs)
-    assert sum(c["target_steps"] for c in cats.values()) == sum(hist)
+    assert sum(c["target_steps"] for c in cats.values()) == sum(hist) == sum(
+        len(o.accepted) for o in outs if not o.error)
     for c, s in cats.items():
         sub = [o for o in outs if o.category == c]
         ctau, chist, calpha = _loop_metrics(sub, k)

@@ -29,7 +29,8 @@ def _outputs(seed: int, k: int, cats=("code", "chat")) -> list[TurnOutput]:
             p.append(k)
             a.append(take - 1)
             left -= take
-        outs.append(TurnOutput(f"q{i}", cats[i % len(cats)], i % 2, tokens, p, a, "length"))
+        outs.append(TurnOutput(f"q{i}", cats[i % len(cats)], i % 2, tokens, p, a, "length",
+                               prefill_steps=1))
     return outs
 
 
@@ -44,8 +45,11 @@ SETTINGS = {"target": {"name": "tiny"}, "sampling": {"temperature": 0.0, "max_ne
 
 
 def _check_consistent(entry):
-    tau = entry["generated_tokens"] / entry["target_steps"]
+    pre = entry["prefill_steps"]
+    tau = (entry["generated_tokens"] - pre) / (entry["target_steps"] - pre)
     assert entry["mean_accept_len"] == pytest.approx(tau)
+    assert entry["tokens_per_target_pass"] == pytest.approx(
+        entry["generated_tokens"] / entry["target_steps"])
     assert sum(entry["accept_len_hist"]) == entry["target_steps"]
     assert len(entry["accept_len_hist"]) == len(entry["per_position_accept_rate"]) + 1
 

@@ -9,18 +9,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from heads.batch import PackedBatch
 from heads.checkpoint import save_head
-from heads.config import HeadConfig
-from heads.registry import build_head
-from inference_eval.engine.attention import BatchLayout
-from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
 from inference_eval.engine.config import EngineConfig
 from inference_eval.engine.llm_engine import LLMEngine
 from inference_eval.engine.sampling import SamplingParams
-from inference_eval.evaluation.engines import build_engine, frozen_parts_of
+from inference_eval.evaluation.engines import build_engine
+from fit_head import fit_head_on
 
 PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
            "The three primary colors are"]
@@ -34,21 +29,7 @@ def test_trained_head_chain_and_tree_are_lossless_on_smollm2(smollm2, tmp_path):
     ar = [r.token_ids for r in LLMEngine(loaded.model, None, EngineConfig()).generate(
         prompts, params, progress=False)]
 
-    seqs = [p + o for p, o in zip(prompts, ar)]
-    ids = torch.tensor([t for s in seqs for t in s])
-    lens = [len(s) for s in seqs]
-    with torch.no_grad():
-        hidden = loaded.model(ids, TorchAttentionBackend().plan(BatchLayout.packed(lens)), None,
-                              compute_logits=False).hidden.float()
-    torch.manual_seed(0)
-    head = build_head(HeadConfig(type="mtp"), frozen_parts_of(loaded), seed=0)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=2e-3)
-    batch = PackedBatch(ids, hidden, torch.ones(len(ids), dtype=torch.bool), lens)
-    for _ in range(30):
-        loss, _ = head(batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    head = fit_head_on(loaded, [p + o for p, o in zip(prompts, ar)], steps=30, lr=2e-3)
     save_head(head, tmp_path / "h")
 
     for cfg in (SimpleNamespace(kind="head", checkpoint=str(tmp_path / "h"), scheme="chain", num_draft=2),

@@ -38,10 +38,16 @@ def test_8xh100_script_overrides_compose():
     body = text[text.index("-m train \\"):].split("\n", 1)[1]
     body = body.replace('"$@"', "").replace("\\\n", " ")
     fill = {"SHARDS": "/data/shards", "OUT": "runs/h", "BATCH_TOKENS": "16384",
-            "GRAD_ACCUM": "2", "STEPS": "4000", "TARGET_PATH": "meta-llama/Llama-3.1-70B-Instruct"}
+            "GRAD_ACCUM": "2", "STEPS": "4000", "TARGET_PATH": "meta-llama/Llama-3.1-70B-Instruct",
+            "TARGET": "llama3_70b"}
     overrides = [re.sub(r"\$\{?(\w+)\}?", lambda m: fill[m.group(1)], tok)
                  for tok in shlex.split(body)]
     cfg = compose("train", TrainConfig, overrides)
     assert cfg.target.name == "llama3_70b" and cfg.head.type == "mtp"
+    # TARGET=deepseek_v2_lite (docs/deepseek.md) composes too.
+    fill.update(TARGET="deepseek_v2_lite", TARGET_PATH="deepseek-ai/DeepSeek-V2-Lite")
+    ds = compose("train", TrainConfig, [re.sub(r"\$\{?(\w+)\}?", lambda m: fill[m.group(1)], tok)
+                                        for tok in shlex.split(body)])
+    assert ds.target.name == "deepseek_v2_lite" and ds.target.path == "deepseek-ai/DeepSeek-V2-Lite"
     assert cfg.trainer.strategy == "ddp" and cfg.trainer.mixed_precision == "bf16"
     assert not cfg.validation.enabled

@@ -2,7 +2,10 @@
 
 Planning turns the layout into gather indices and one boolean mask per step; every layer
 then does index_copy (append), one gather of its pages into [B, kv_heads, max_kv, d], and
-one SDPA call. Decode-only steps skip the query padding entirely (T == B).
+one SDPA call. Decode-only steps skip the query padding entirely (T == B). A single request
+whose pages are consecutive (the allocator hands them out in order, so batch-1 decoding and
+verification nearly always are) reads its keys and values as one slice of the cache: no
+gather copies the history in any layer.
 
 Requests with very different cache lengths, padded to one [B, max_kv] batch, make every row
 pay for the longest: decode steps of a batch-32 self-distillation run with a few long prompts
@@ -58,6 +61,7 @@ class TorchAttentionPlan:
         self.q_rows = torch.tensor(rows, dtype=torch.long, device=device)
         self.is_causal_only = False
         self.groups = None
+        self.kv_span = None  # (first slot, kv_len) when the keys are one contiguous run
         if self.cached:
             self.slots = layout.slot_mapping(device)
             groups = kv_groups(kv_lens) if grouped and b > 1 else [list(range(b))]
@@ -66,10 +70,12 @@ class TorchAttentionPlan:
                                 TorchAttentionPlan(_sub_layout(layout, g), device, grouped=False))
                                for g in groups]
                 return
-            gather = torch.zeros(b, self.max_kv, dtype=torch.long)
-            for bi, (table, kv) in enumerate(zip(layout.block_tables, kv_lens)):
-                gather[bi, :kv] = page_slots(table, torch.arange(kv), layout.page_size)
-            self.kv_gather = gather.view(-1).to(device)
+            self.kv_span = _contiguous_span(layout) if b == 1 else None
+            if self.kv_span is None:
+                gather = torch.zeros(b, self.max_kv, dtype=torch.long)
+                for bi, (table, kv) in enumerate(zip(layout.block_tables, kv_lens)):
+                    gather[bi, :kv] = page_slots(table, torch.arange(kv), layout.page_size)
+                self.kv_gather = gather.view(-1).to(device)
         else:
             self.kv_gather = None
             # Cacheless keys are the step's own tokens; key j of request b is packed row cu[b]+j.
@@ -140,6 +146,10 @@ class TorchAttentionPlan:
         """q [T, heads, d] of this plan's requests; kc / vc: the layer's cache as [slots,
         kvh * d] rows, already holding this step's keys."""
         b, mk, d = self.batch, self.max_kv, q.shape[-1]
+        if self.kv_span is not None:
+            start, kv = self.kv_span
+            return self._sdpa(q, kc[start:start + kv].view(1, kv, kvh, d),
+                              vc[start:start + kv].view(1, kv, kvh, d))
         keys = kc.index_select(0, self.kv_gather).view(b, mk, kvh, d)
         vals = vc.index_select(0, self.kv_gather).view(b, mk, kvh, d)
         return self._sdpa(q, keys, vals)
@@ -159,6 +169,16 @@ class TorchAttentionPlan:
         if self.dense_q:
             return out.reshape(t, heads, d)
         return out.reshape(b * mq, heads, d).index_select(0, self.q_rows)
+
+
+def _contiguous_span(layout: BatchLayout) -> tuple[int, int] | None:
+    """(first slot, kv_len) if request 0's first kv_len cache entries sit in consecutive
+    pages, else None."""
+    kv, ps = layout.kv_lens[0], layout.page_size
+    pages = layout.block_tables[0][:-(-kv // ps)]
+    if any(p != pages[0] + i for i, p in enumerate(pages)):
+        return None
+    return pages[0] * ps, kv
 
 
 def _sub_layout(layout: BatchLayout, group: list[int]) -> BatchLayout:

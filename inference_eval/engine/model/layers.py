@@ -1,5 +1,9 @@
 """The one decoder layer that target and draft models share (STYLE 7).
 
+Its attention is grouped-query attention (Llama family) or multi-head latent attention
+(DeepSeek, model/mla.py); its MLP is a SwiGLU MLP or a mixture of experts (model/moe.py),
+chosen per layer by the arch. State-dict names stay `self_attn.*` and `mlp.*` either way.
+
 Tensors are packed: T tokens of all requests in a step, laid end to end, no padding.
 Attention is delegated to `ctx.attend`, a per-step object planned once by an attention
 backend (torch SDPA, FlashInfer, or cacheless packed attention for training/precompute).
@@ -9,12 +13,17 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inference_eval.engine.model.arch import ModelArch
 from inference_eval.engine.model.linear import Linear
+from inference_eval.engine.model.mla import MLAttention
+from inference_eval.engine.model.mlp import MLP
+from inference_eval.engine.model.moe import MoE
+from inference_eval.engine.model.norm import RMSNorm
 from inference_eval.engine.model.rope import apply_rope
+
+__all__ = ["AttentionContext", "Attention", "DecoderLayer", "MLP", "RMSNorm"]
 
 
 class AttentionContext(Protocol):
@@ -27,19 +36,11 @@ class AttentionContext(Protocol):
         """q [T, heads, d], k/v [T, kv_heads, d] (new tokens) -> [T, heads, d]."""
         ...
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel
-        # Low precision: fp32 statistics, cast back before the weight, as HF does.
-        out = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * out.to(x.dtype)
+    def attend_latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int,
+                      scale: float) -> torch.Tensor:
+        """MLA as multi-query attention: q [T, heads, D], latent [T, 1, D] (new tokens' cache
+        rows, D = kv_lora_rank + rope) -> [T, heads, v_dim], values = rows[:, :v_dim]."""
+        ...
 
 
 class Attention(nn.Module):
@@ -72,18 +73,6 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, self.q_size))
 
 
-class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.inter = arch.intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP with residuals.
 
@@ -96,9 +85,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         width = attn_in_features or arch.hidden_size
         self.input_layernorm = RMSNorm(width, arch.rms_norm_eps) if input_norm else None
-        self.self_attn = Attention(arch, layer, attn_in_features)
+        attn = MLAttention if arch.is_mla else Attention
+        self.self_attn = attn(arch, layer, attn_in_features)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp = MoE(arch) if arch.is_moe_layer(layer) else MLP(arch)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext,
                 residual: torch.Tensor | None = None) -> torch.Tensor:

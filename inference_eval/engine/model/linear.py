@@ -3,8 +3,9 @@
 On CPU, torch's fp32 GEMM goes to MKL, whose small-M kernels (decode: M = batch size) run
 2-3x slower on AMD CPUs than OpenBLAS, which numpy ships. Measured on a 2-core EPYC for a
 [M, 576] x [576, 3072] product over 60 weights: M=1 65 ms (MKL) vs 22 ms (OpenBLAS), M=8
-149 vs 47, M=64 304 vs 141. So inference on CPU in fp32 routes through numpy's matmul when
-`cpu_blas` is on; training and every other device/dtype use F.linear. Weights keep their
+149 vs 47, M=64 304 vs 141. So inference on CPU in fp32 (`cpu_blas` on) routes through
+numpy's matmul, small row counts as one GEMV per row (see gemv_rows); training and every
+other device/dtype use F.linear. Weights keep their
 logical [out, in] shape (state dicts unchanged) but are stored column-major, so W.t() is a
 C-contiguous [in, out] array that OpenBLAS streams without a copy.
 """
@@ -21,18 +22,28 @@ def use_numpy_blas(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not torch.is_grad_enabled() and x.dim() == 2)
 
 
-# Up to this many rows, one GEMV per row beats OpenBLAS's small-M GEMM (2-core EPYC, 30
-# [576 x 3072] weights: M=1 9.9 ms; M=2 20.2 ms as GEMM vs 14.1 as GEMVs; M=3 23.6 vs 18.5;
-# M=5 26.1 vs 21.5; M=8 20.6 vs 30.3): the weight streams from DRAM once and the later rows
-# find it in cache. Speculative verification (K+1 rows) and small decode batches live here.
-GEMV_ROWS = 5
+# Rows that run as one OpenBLAS GEMV each (scripts/bench_gemm.py, 2-core EPYC, 2 threads, a
+# whole SmolLM2 step's products: M=1 35 ms as a GEMV vs 56 ms as a [1, in] GEMM; M=5 83 ms
+# as GEMVs vs 120 as OpenBLAS's GEMM, 103 as oneDNN's on a pre-packed weight, 268 as MKL's).
+# A weight that stays in the last-level cache (32 MB here) is streamed from DRAM once and
+# re-read from cache by the later rows, so GEMVs win up to 8 rows; the 113 MB tied lm_head
+# is re-streamed per row, so from 4 rows on OpenBLAS's GEMM (one pass) wins there.
+GEMV_ROWS_CACHED, GEMV_ROWS_STREAMED = 8, 3
+CACHED_WEIGHT_BYTES = 16 << 20
+
+
+def gemv_rows(weight: torch.Tensor) -> int:
+    """Up to how many rows a product with this weight runs as one GEMV per row."""
+    small = weight.numel() * weight.element_size() <= CACHED_WEIGHT_BYTES
+    return GEMV_ROWS_CACHED if small else GEMV_ROWS_STREAMED
 
 
 def matmul_wt(x: torch.Tensor, weight: torch.Tensor, fast: bool) -> torch.Tensor:
-    """x [M, in] @ weight[out, in].T -> [M, out], through OpenBLAS when `fast` applies."""
+    """x [M, in] @ weight[out, in].T -> [M, out], through OpenBLAS when `fast` applies
+    (CPU fp32 inference): one GEMV per row up to gemv_rows(weight) rows, else one GEMM."""
     if fast and use_numpy_blas(x, weight):
         xs, wt = x.numpy(), weight.t().numpy()
-        if 1 < xs.shape[0] <= GEMV_ROWS:
+        if xs.shape[0] <= gemv_rows(weight):
             out = np.empty((xs.shape[0], wt.shape[1]), dtype=xs.dtype)
             for i in range(xs.shape[0]):
                 np.matmul(xs[i], wt, out=out[i])

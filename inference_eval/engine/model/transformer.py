@@ -7,12 +7,13 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from inference_eval.engine.attention.mla_torch import mla_attend
 from inference_eval.engine.attention.plan import AttentionPlan
 from inference_eval.engine.kv_cache import KVCache
 from inference_eval.engine.model.arch import ModelArch
 from inference_eval.engine.model.layers import DecoderLayer, RMSNorm
 from inference_eval.engine.model.linear import Linear, matmul_wt
-from inference_eval.engine.model.rope import rope_inv_freq, rope_tables
+from inference_eval.engine.model.rope import arch_rope_tables
 
 
 @dataclass
@@ -37,9 +38,15 @@ class StepContext:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.plan.attend(layer, q, k, v, self.cache)
 
+    def attend_latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int,
+                      scale: float) -> torch.Tensor:
+        """MLA: q [T, heads, D], latent rows [T, 1, D] -> [T, heads, v_dim]."""
+        return mla_attend(self.plan, layer, q, latent, self.cache, v_dim, scale)
+
 
 class TransformerLM(nn.Module):
-    """Embedding, `num_layers` shared decoder layers, final RMSNorm, lm_head (tied or not)."""
+    """Embedding, `num_layers` shared decoder layers, final RMSNorm, lm_head (tied or not).
+    Rotary tables cover `arch.rope_dim` (the decoupled rotary key width under MLA)."""
 
     cpu_blas: bool = False  # see model/linear.py; engines switch it on for CPU fp32
 
@@ -51,8 +58,7 @@ class TransformerLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else Linear(
             arch.hidden_size, arch.vocab_size, bias=False)
-        cos, sin = rope_tables(rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling),
-                               arch.max_position_embeddings)
+        cos, sin = arch_rope_tables(arch)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

@@ -10,6 +10,12 @@ index n (the target cache holds 0..n-1), runs
     accept(reqs, n, accepted, emitted, out, rows)       after verification
     drop(rid)                                           when a request finishes
 
+A `sync_free` drafter instead catches up in `verified(reqs, plan, row_tokens, out,
+last_rows)`, called right after the verify pass and before the host learns how much was
+accepted (the reference write-up's MTP round): it re-runs over every verified row with the
+target's layout and plan, and keeps the rows at the accepted ends (device indices) as the
+next round's state; `accept` is then not called.
+
 `state` is the drafter's own per-request carry (a [L, ...] tensor, or None): the engine only
 selects its rows for the requests still drafting. A tree engine grows its nodes with
 `run(tokens, state, plan, k=...)` on layouts it plans itself (scratch slots and masks), which
@@ -50,6 +56,7 @@ class Drafter:
 
     aux_layers: list[int] = []
     drafts_trees = False
+    sync_free = False
     max_steps: int | None = None
     backend = None  # set by bind()
 
@@ -86,6 +93,14 @@ class Drafter:
         then the target's token); rows[i] are the accepted[i] + 1 rows of the verify output
         `out` that held x_n and the accepted drafts (the target cache is valid to
         n[i] + accepted[i])."""
+        raise NotImplementedError
+
+    def verified(self, reqs: list[Request], plan, row_tokens: torch.Tensor, out: ModelOutput,
+                 last_rows: torch.Tensor) -> None:
+        """The sync-free catch-up (only when `sync_free`): `plan` is the verify pass's,
+        row_tokens [T] the token that follows each verified row where it is kept, out the
+        verify output (hidden [T, H]), last_rows [B] the row of each request's last
+        emitted token (on the device: the accepted lengths are not on the host yet)."""
         raise NotImplementedError
 
     def run(self, tokens: torch.Tensor, state: torch.Tensor | None, plan,
@@ -136,11 +151,14 @@ class HeadDrafter(_HeadLogits, Drafter):
 
     drafts_trees = True
 
-    def __init__(self, head: nn.Module, num_pages: int, page_size: int, device, dtype) -> None:
+    def __init__(self, head: nn.Module, num_pages: int, page_size: int, device, dtype,
+                 sync_free: bool = False) -> None:
         self._setup(head, device, dtype)
+        # The head's layer has the target's attention shape, so the verify plan serves it.
+        self.sync_free = sync_free
         self.page_size = page_size
         a = head.arch
-        self.cache = KVCache(1, num_pages, page_size, a.num_kv_heads, a.head_dim, dtype, device)
+        self.cache = KVCache.for_arch(a, num_pages, page_size, dtype, device)  # a: one layer
         self.aux_layers = list(head.cfg.aux_layers) if head.cfg.type == "eagle3" else []
         self.carry: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -153,14 +171,18 @@ class HeadDrafter(_HeadLogits, Drafter):
         return nxt, self._logits(feats if rows is None else feats.index_select(0, rows))
 
     def refill(self, rids: list[int], tokens: torch.Tensor, target_hidden: torch.Tensor,
-               target_aux: torch.Tensor | None, plan, last_rows: list[int]) -> None:
+               target_aux: torch.Tensor | None, plan, last_rows: list[int] | torch.Tensor) -> None:
         """Write the head's cache from the target's states (step 1 of the rollout) and carry
-        each request's last row into its next round."""
+        each request's last row (host list or device tensor) into its next round."""
         hidden_in = self.head.first_hidden(target_hidden, target_aux)
-        nxt, logits = self.run(tokens, hidden_in, plan,
-                               torch.tensor(last_rows, dtype=torch.long, device=tokens.device))
-        for j, (rid, row) in enumerate(zip(rids, last_rows)):
-            self.carry[rid] = (nxt[row], logits[j])
+        rows = torch.as_tensor(last_rows, dtype=torch.long, device=tokens.device)
+        nxt, logits = self.run(tokens, hidden_in, plan, rows)
+        last = nxt.index_select(0, rows)
+        for j, rid in enumerate(rids):
+            self.carry[rid] = (last[j], logits[j])
+
+    def verified(self, reqs, plan, row_tokens, out, last_rows):
+        self.refill([r.id for r in reqs], row_tokens, out.hidden, out.aux, plan, last_rows)
 
     def prefill(self, reqs, layout, plan, pending, sampled, out):
         # Shifted alignment: the entry at index j reads x_{j+1}, so the sampled token closes it.
@@ -241,8 +263,7 @@ class LLMDrafter(Drafter):
         self.model = model.to(device=device, dtype=dtype).eval()
         self.device, self.page_size = torch.device(device), page_size
         a = model.arch
-        self.cache = KVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim,
-                             dtype, device)
+        self.cache = KVCache.for_arch(a, num_pages, page_size, dtype, device)
         self.cached: dict[int, int] = {}
         self.aux_layers: list[int] = []
 

@@ -54,6 +54,7 @@ class SpecEngine(LLMEngine):
                              f"step): set draft.num_draft <= {self.drafter.max_steps}")
         self.drafter.bind(self.backend, self.cpu_blas)
         self.timing = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "catch_up": 0.0}
+        self.counters = {"rounds": 0, "host_syncs": 0}  # device-to-host reads per round
 
     # ---- helpers ------------------------------------------------------------------------
     def _tick(self, key: str, t0: float) -> float:
@@ -140,6 +141,7 @@ class SpecEngine(LLMEngine):
         for r, q, tok in zip(reqs, q_lens, sampled):
             r.num_cached += q
             r.output_ids.append(tok)
+            r.prefill_steps += 1
             r.proposed.append(0)
             r.accepted.append(0)
             self._finish_or_keep(r, done)
@@ -151,53 +153,77 @@ class SpecEngine(LLMEngine):
         return max(0, min(self.max_accepted, left, room))
 
     def _decode(self, reqs: list[Request], done: list[Request]) -> None:
+        """One round. Drafts stay on the device until the round's one host synchronisation
+        (accepted lengths, emitted tokens and drafts fetched together). A drafter that can
+        (`sync_free`) catches up before it, on the verify pass's own layout and plan."""
         t0 = time.perf_counter()
         st = SamplingTensors.from_params([r.params for r in reqs], self.device)
         greedy = st.all_greedy
         ks = [self._draft_len(r) for r in reqs]
         n = [r.num_cached for r in reqs]
-        drafts, qs = self._propose(reqs, ks, n, st, greedy)
+        b, kmax = len(reqs), max(max(ks), 1)
+        dtok, qs = self._propose(reqs, ks, n, st, greedy, kmax)
         t0 = self._tick("draft", t0)
         # Verify [x_n, d_1..d_k] of every request in one target pass.
         layout = self._sub_layout(reqs, [k + 1 for k in ks], [m + k + 1 for m, k in zip(n, ks)])
-        ids = [r.token_ids[-1:] + d for r, d in zip(reqs, drafts)]
-        plan = self.backend.plan(layout)
-        out = self.model(torch.tensor([t for x in ids for t in x], device=self.device), plan,
-                         self.cache, aux_layers=self.drafter.aux_layers)
-        b, kmax, v = len(reqs), max(max(ks), 1), out.logits.shape[-1]
         cu = layout.cu_q()
+        req_of, col_of = self._row_index(ks)
+        ids = torch.where(col_of == 0, torch.tensor([r.token_ids[-1] for r in reqs],
+                                                    device=self.device)[req_of],
+                          dtok[req_of, (col_of - 1).clamp(min=0)])
+        plan = self.backend.plan(layout)
+        out = self.model(ids, plan, self.cache, aux_layers=self.drafter.aux_layers)
+        v = out.logits.shape[-1]
         tgt = self._per_request(out.logits, cu, kmax + 1)
-        dtok = torch.zeros(b, kmax, dtype=torch.long, device=self.device)
-        for i, (k, d) in enumerate(zip(ks, drafts)):
-            if k:
-                dtok[i, :k] = torch.tensor(d, device=self.device)
         num = torch.tensor(ks, device=self.device)
         if greedy:
-            acc, emit = verify_greedy(dtok, tgt, num)
+            acc_t, emit_t = verify_greedy(dtok, tgt, num)
         else:
             p = self._target_probs(tgt, st)
             q = torch.zeros(b, kmax, v, device=self.device)
             for i, rows in enumerate(qs):
                 if rows:
                     q[i, :len(rows)] = torch.stack(rows)
-            acc, emit = verify_sampled(dtok, q, p, num, self.generator)
+            acc_t, emit_t = verify_sampled(dtok, q, p, num, self.generator)
         t0 = self._tick("verify", t0)
-        acc, emit = acc.tolist(), emit.tolist()
+        caught_up = False
+        if self.drafter.sync_free:
+            # Row j of request i is followed by emit[i, j] wherever it is kept (j <= accepted:
+            # the accepted draft, then the correction or bonus); later rows are overwritten
+            # before anyone reads them, so any valid id does.
+            row_tokens = emit_t.clamp(min=0)[req_of, col_of]
+            last_rows = torch.tensor(cu[:-1], device=self.device) + acc_t
+            self.drafter.verified(reqs, plan, row_tokens, out, last_rows)
+            caught_up = True
+            t0 = self._tick("catch_up", t0)
+        fetched = torch.cat([acc_t.unsqueeze(1), emit_t, dtok], 1).tolist()  # the one sync
+        self.counters["host_syncs"] += 1
+        self.counters["rounds"] += 1
+        acc = [row[0] for row in fetched]
+        emit = [row[1:kmax + 2] for row in fetched]
         keep = self._record_round(reqs, ks, acc, emit, n, done)
-        self.drafter.accept([reqs[i] for i in keep], [n[i] for i in keep], [acc[i] for i in keep],
-                            [emit[i] for i in keep], out,
-                            [range(cu[i], cu[i] + acc[i] + 1) for i in keep])
+        if not caught_up:
+            self.drafter.accept([reqs[i] for i in keep], [n[i] for i in keep],
+                                [acc[i] for i in keep], [emit[i] for i in keep], out,
+                                [range(cu[i], cu[i] + acc[i] + 1) for i in keep])
         self._tick("catch_up", t0)
 
-    def _propose(self, reqs, ks, n, st, greedy):
-        """Draft up to ks[i] tokens per request -> (tokens per request, draft probs per
-        request: the processed distribution each draft was drawn from, empty when greedy)."""
+    def _row_index(self, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the packed verify rows (request i has ks[i] + 1): request [T] and column [T]."""
+        req = [i for i, k in enumerate(ks) for _ in range(k + 1)]
+        col = [j for k in ks for j in range(k + 1)]
+        return (torch.tensor(req, device=self.device), torch.tensor(col, device=self.device))
+
+    def _propose(self, reqs, ks, n, st, greedy, kmax):
+        """Draft up to ks[i] tokens per request -> (drafts [B, kmax] int64 on the device, 0
+        past ks[i]; draft probs per request: the processed distribution each draft was drawn
+        from, empty when greedy). Nothing is read back to the host here."""
         b = len(reqs)
-        drafts: list[list[int]] = [[] for _ in range(b)]
+        dtok = torch.zeros(b, kmax, dtype=torch.long, device=self.device)
         qs: list[list[torch.Tensor]] = [[] for _ in range(b)]
         live = [i for i in range(b) if ks[i] > 0]
         if not live:
-            return drafts, qs
+            return dtok, qs
         state, logits = self.drafter.begin_round([reqs[i] for i in live], [n[i] for i in live])
         for s in range(1, max(ks) + 1):
             sub = SamplingTensors(st.temperature[live], st.top_k[live], st.top_p[live])
@@ -206,10 +232,9 @@ class SpecEngine(LLMEngine):
             else:
                 probs = processed_probs(logits, sub)
                 tok = sample_from_probs(probs, self.generator)
-            for j, i in enumerate(live):
-                drafts[i].append(int(tok[j]))
-                if not greedy:
+                for j, i in enumerate(live):
                     qs[i].append(probs[j])
+            dtok[torch.tensor(live, device=self.device), s - 1] = tok
             nxt = [j for j, i in enumerate(live) if ks[i] > s]
             if not nxt:
                 break
@@ -218,4 +243,4 @@ class SpecEngine(LLMEngine):
                 state = state[nxt]
             state, logits = self.drafter.step([reqs[i] for i in live], [n[i] for i in live], s,
                                               tok[nxt], state)
-        return drafts, qs
+        return dtok, qs
