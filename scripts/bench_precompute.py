@@ -13,8 +13,13 @@ thread count.
 The records are cut into --groups contiguous groups (like shards); each group runs on both
 sides back to back, alternating which goes first, so load from other users of a shared
 machine falls on both alike.
+The roofline: the same run times, on the target's own layer shapes at --batch-tokens rows,
+the machine's fp32 GEMM through the path precompute uses (OpenBLAS via numpy), and divides
+it into the model's matmul FLOPs per token (2 x the layer weights, plus attention's
+4 x layers x hidden x mean context); ours is reported as a fraction of that.
 Ends with one JSON line: {"bench": "precompute", "ours_tok_s", "base_tok_s", "ratio",
-"bytes_per_token", "bytes_budget": 2*H+8, ...}.
+"roofline_tok_s", "fraction_of_roofline", "gemm_gflops", "bytes_per_token",
+"bytes_budget": 2*H+8, ...}.
 """
 from __future__ import annotations
 
@@ -34,6 +39,34 @@ from inference_eval.engine.target import TargetConfig, load_target
 from precompute.data import DataConfig, load_conversations, tokenize_conversations
 from precompute.plan import plan_batches
 from precompute.shard_io import write_shard
+
+
+def gemm_roofline(model, rows: int, reps: int = 3) -> float:
+    """GFLOP/s of OpenBLAS fp32 GEMMs [rows, in] x [in, out] over one layer's weights."""
+    import numpy as np
+
+    layer = model.layers[0]
+    weights = [m.weight.detach() for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {w.shape[1]: np.random.default_rng(0).standard_normal((rows, w.shape[1]), np.float32)
+          for w in weights}
+    wts = [np.ascontiguousarray(w.t().numpy()) for w in weights]
+    flops = sum(2 * rows * w.shape[0] * w.shape[1] for w in weights)
+    best = float("inf")
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        for wt in wts:
+            np.matmul(xs[wt.shape[0]], wt)
+        best = min(best, time.perf_counter() - t)
+    return flops / best / 1e9
+
+
+def flops_per_token(model, mean_context: float) -> float:
+    """Matmul FLOPs of one token through every layer (lm_head skipped, as precompute does)."""
+    a = model.arch
+    per_layer = sum(2 * m.weight.numel() for m in model.layers[0].modules()
+                    if isinstance(m, torch.nn.Linear))
+    attn = 4 * a.num_heads * a.head_dim * mean_context  # q.k and p.v over the context
+    return a.num_layers * (per_layer + attn)
 
 
 def ours(model, records, batch_tokens: int) -> tuple[float, object]:
@@ -137,10 +170,19 @@ def main() -> None:
                       flush=True)
     print(f"ours: {tokens / secs_ours:.1f} tok/s ({secs_ours:.1f} s); "
           f"base: {tokens / secs_base:.1f} tok/s ({secs_base:.1f} s)", flush=True)
+    with torch.inference_mode():
+        gflops = gemm_roofline(model, args.batch_tokens)
+    # Causal attention: a token attends to half its sequence on average.
+    ctx = sum(len(r.input_ids) ** 2 for r in records) / (2 * tokens)
+    roof = gflops * 1e9 / flops_per_token(model, ctx)
+    print(f"roofline: {gflops:.1f} GFLOP/s of OpenBLAS fp32 GEMM on the layer shapes -> "
+          f"{roof:.1f} tok/s; ours at {tokens / secs_ours / roof:.0%} of it", flush=True)
     h = model.arch.hidden_size
     print(json.dumps({
         "bench": "precompute", "ours_tok_s": round(tokens / secs_ours, 1),
         "base_tok_s": round(tokens / secs_base, 1), "ratio": round(secs_base / secs_ours, 2),
+        "roofline_tok_s": round(roof, 1), "fraction_of_roofline": round(tokens / secs_ours / roof, 3),
+        "gemm_gflops": round(gflops, 1),
         "bytes_per_token": round(nbytes / tokens, 2), "bytes_budget": 2 * h + 8,
         "tokens": tokens, "records": len(records), "groups": len(groups), "base_batch_size": bs,
         "batch_tokens": args.batch_tokens, "threads": args.threads, "dtype": args.dtype, **extra}))
