@@ -117,8 +117,8 @@ class LLMEngine:
         done = list(batch.failed)
         if not batch.requests:
             return done
-        phase = "prefill" if any(r.num_cached == 0 or q > 1
-                                 for r, q in zip(batch.requests, batch.q_lens)) else "decode"
+        phase = "prefill" if any(r.prefills(q) for r, q in zip(batch.requests, batch.q_lens)) \
+            else "decode"
         layout = self.layout(batch)
         ids = torch.tensor([t for r in batch.requests for t in r.pending_ids], dtype=torch.long,
                            device=self.device)
@@ -129,7 +129,7 @@ class LLMEngine:
         tokens = sample(out.logits, st, self.generator).tolist()
         self.num_steps += 1
         for req, q, tok in zip(batch.requests, batch.q_lens, tokens):
-            req.prefill_steps += req.num_cached == 0 or q > 1
+            req.prefill_steps += req.prefills(q)
             req.num_cached += q
             req.output_ids.append(tok)
             req.proposed.append(0)

@@ -44,6 +44,11 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def prefills(self, q_len: int) -> bool:
+        """Whether a step feeding q_len tokens is this request's (re)computed prompt rather
+        than a decode step (one token, or a verified chain, on a warm cache)."""
+        return self.num_cached == 0 or q_len > 1
+
     @property
     def pending_ids(self) -> list[int]:
         """Tokens not yet in the cache: the whole prompt at prefill (plus outputs after a

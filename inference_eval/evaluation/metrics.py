@@ -109,8 +109,9 @@ def prefill_steps(outputs: Sequence[TurnOutput]) -> int:
 
 def mean_accept_len(outputs: Sequence[TurnOutput]) -> float | None:
     """τ = tokens emitted per verification round (prefills excluded; None without rounds)."""
-    rounds = target_steps(outputs) - prefill_steps(outputs)
-    return (generated_tokens(outputs) - prefill_steps(outputs)) / rounds if rounds else None
+    pre = prefill_steps(outputs)
+    rounds = target_steps(outputs) - pre
+    return (generated_tokens(outputs) - pre) / rounds if rounds else None
 
 
 def tokens_per_target_pass(outputs: Sequence[TurnOutput]) -> float | None:

@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tiny_hf_models import make_tiny_deepseek
 from inference_eval.engine.model.arch import ModelArch, UnsupportedArchitectureError
@@ -53,37 +54,29 @@ def test_inconsistent_sizes_are_named(v2_config, fields, match):
         ModelArch.from_hf_config(dict(v2_config, **fields))
 
 
-def test_missing_expert_tensor_is_named(tmp_path, v2_dir):
-    from safetensors.torch import load_file, save_file
-
-    d = tmp_path / "broken"
+def _load_edited(tmp_path, v2_dir, edit):
+    """Load a copy of the tiny V2 checkpoint whose state dict `edit` changed in place."""
+    d = tmp_path / "edited"
     shutil.copytree(v2_dir, d)
     sd = load_file(str(d / "model.safetensors"))
-    del sd["model.layers.2.mlp.experts.5.up_proj.weight"]
+    edit(sd)
     save_file(sd, str(d / "model.safetensors"))
+    return load_target(TargetConfig(source="hf", path=str(d)), with_tokenizer=False)
+
+
+def test_missing_expert_tensor_is_named(tmp_path, v2_dir):
     with pytest.raises(ValueError, match=r"layers\.2\.mlp\.experts\.gate_up_proj \(experts 5"):
-        load_target(TargetConfig(source="hf", path=str(d)), with_tokenizer=False)
+        _load_edited(tmp_path, v2_dir,
+                     lambda sd: sd.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
 
 
 def test_fp8_scale_tensor_is_named(tmp_path, v2_dir):
-    from safetensors.torch import load_file, save_file
-
-    d = tmp_path / "fp8"
-    shutil.copytree(v2_dir, d)
-    sd = load_file(str(d / "model.safetensors"))
-    sd["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"] = torch.ones(1, 1)
-    save_file(sd, str(d / "model.safetensors"))
     with pytest.raises(ValueError, match="kv_b_proj.weight_scale_inv.*FP8"):
-        load_target(TargetConfig(source="hf", path=str(d)), with_tokenizer=False)
+        _load_edited(tmp_path, v2_dir, lambda sd: sd.update(
+            {"model.layers.1.self_attn.kv_b_proj.weight_scale_inv": torch.ones(1, 1)}))
 
 
 def test_dense_tensor_on_a_moe_layer_is_named(tmp_path, v2_dir):
-    from safetensors.torch import load_file, save_file
-
-    d = tmp_path / "foreign"
-    shutil.copytree(v2_dir, d)
-    sd = load_file(str(d / "model.safetensors"))
-    sd["model.layers.2.mlp.gate_proj.weight"] = torch.zeros(96, 64)
-    save_file(sd, str(d / "model.safetensors"))
     with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.gate_proj\.weight"):
-        load_target(TargetConfig(source="hf", path=str(d)), with_tokenizer=False)
+        _load_edited(tmp_path, v2_dir, lambda sd: sd.update(
+            {"model.layers.2.mlp.gate_proj.weight": torch.zeros(96, 64)}))

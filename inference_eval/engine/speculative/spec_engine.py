@@ -116,8 +116,8 @@ class SpecEngine(LLMEngine):
     def _step(self) -> list[Request]:
         batch = self.scheduler.schedule()
         done = list(batch.failed)
-        pre = [(r, q) for r, q in zip(batch.requests, batch.q_lens) if r.num_cached == 0 or q > 1]
-        dec = [r for r, q in zip(batch.requests, batch.q_lens) if not (r.num_cached == 0 or q > 1)]
+        pre = [(r, q) for r, q in zip(batch.requests, batch.q_lens) if r.prefills(q)]
+        dec = [r for r, q in zip(batch.requests, batch.q_lens) if not r.prefills(q)]
         if pre:
             self._prefill([r for r, _ in pre], [q for _, q in pre], done)
         if dec:
