@@ -33,6 +33,8 @@ class HeadConfig:
     hidden_input: which target state an mtp head reads, "pre_norm" (h_t, the shards'
       convention; what we train) or "post_norm" (final_norm(h_t): what vLLM and SGLang hand a
       DeepSeek-V3 MTP layer, so native MTP layers loaded from a checkpoint use it).
+    hidden_noise: std of Gaussian noise added to the normed hidden input in training only
+      (EAGLE's feature noise: a regularizer for heads that memorize small data; 0 = off).
     """
 
     type: str = "mtp"
@@ -44,6 +46,7 @@ class HeadConfig:
     draft_vocab_size: int | None = None
     aux_layers: list[int] = field(default_factory=list)
     hidden_input: str = "pre_norm"
+    hidden_noise: float = 0.0
 
     def __post_init__(self) -> None:
         if self.type not in HEAD_TYPES:
@@ -66,6 +69,8 @@ class HeadConfig:
             raise ValueError(f"head.hidden_input={self.hidden_input!r}: use one of {HIDDEN_INPUTS}")
         if self.hidden_input != "pre_norm" and self.type != "mtp":
             raise ValueError(f"head.hidden_input={self.hidden_input!r} applies to mtp heads only")
+        if self.hidden_noise < 0:
+            raise ValueError(f"head.hidden_noise must be >= 0, got {self.hidden_noise}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"head.draft_vocab_size must be >= 1 or null, got {self.draft_vocab_size}")
 

@@ -40,6 +40,9 @@ class MTPHead(DraftHead):
     def step(self, tokens: torch.Tensor, hidden_in: torch.Tensor, ctx,
              k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer serves every draft step, so k is not read."""
-        z = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(tokens)), self.hnorm(hidden_in)], -1))
+        h = self.hnorm(hidden_in)
+        if self.training and self.cfg.hidden_noise > 0:
+            h = h + torch.randn_like(h) * self.cfg.hidden_noise
+        z = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(tokens)), h], -1))
         o = self.layer(z, ctx)
         return o, self.final_norm(o)

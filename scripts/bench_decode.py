@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--attention", default="auto")
+    ap.add_argument("--compile", action="store_true",
+                    help="engine.compile: inductor-compiled decode steps (compiled before timing)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -60,7 +62,10 @@ def main() -> None:
                                    tokenize=True, return_dict=True)["input_ids"] for p in PROMPTS]
     n = args.new_tokens
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
-    eng = LLMEngine(loaded.model, tok, EngineConfig(attention=args.attention, device=args.device))
+    eng = LLMEngine(loaded.model, tok, EngineConfig(attention=args.attention, device=args.device,
+                                                    compile=args.compile))
+    for bs in (1, 8):
+        eng.warm(bs)  # engine.compile: rows 1 and 8, outside the timing
 
     def sync():
         if args.device.startswith("cuda"):
@@ -92,7 +97,8 @@ def main() -> None:
             res[f"base_tok_s_bs{bs}"] = round(base_n / base_t, 2)
             res[f"ratio_bs{bs}"] = round((ours_n / ours_t) / (base_n / base_t), 3)
     print(json.dumps({"bench": "decode", "target": loaded.identity["name"], "device": args.device,
-                      "dtype": args.dtype, "threads": args.threads, "new_tokens": n, **res}))
+                      "dtype": args.dtype, "threads": args.threads, "new_tokens": n,
+                      "compile": args.compile, **res}))
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def cell(args: argparse.Namespace, bs: int, temp: float) -> dict:
         f"target={args.target}", f"prompts={args.prompt_set}", f"prompts.limit={args.prompts}",
         f"sampling.max_new_tokens={args.new}", f"sampling.temperature={temp}",
         f"eval.batch_size={bs}", "eval.progress=false", f"drafts={drafts}", f"output_dir={out}",
-        f"engine.seed={args.seed}"])
+        f"engine.seed={args.seed}", *args.engine])
     report = evaluate.main(cfg)
     runs = []
     for r in report["runs"]:
@@ -76,6 +76,7 @@ def step_costs(args: argparse.Namespace) -> dict:
     loaded = load_target(cfg.target)
     draft = SimpleNamespace(kind="head", checkpoint=args.head, scheme="chain", num_draft=4)
     eng = build_engine(loaded, cfg.engine, draft)
+    eng.warm(1)  # engine.compile: rows 1..5 compiled before anything is timed
     model, drafter, ps, ctx = eng.model, eng.drafter, eng.cfg.page_size, args.context
     pages = list(range((ctx + 8) // ps + 1))
     gen = torch.Generator().manual_seed(0)
@@ -134,7 +135,8 @@ def main() -> None:
     ap.add_argument("--step-reps", type=int, default=20)
     ap.add_argument("--steps-only", action="store_true", help="measure the step costs only")
     ap.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="engine overrides for the step costs, e.g. engine.cpu_blas=torch")
+                    help="engine overrides for the step costs and the runs, e.g. "
+                         "engine.compile=true or engine.cpu_blas=torch")
     args = ap.parse_args()
     if not (Path(args.head) / "config.json").is_file():
         raise SystemExit(f"--head {args.head}: no head checkpoint there (config.json missing); "

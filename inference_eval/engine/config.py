@@ -25,6 +25,10 @@ class EngineConfig:
     threads: int | None = None
     # CPU fp32 GEMMs through numpy's OpenBLAS (see model/linear.py): auto = on for CPU fp32.
     cpu_blas: str = "auto"
+    # Compile decode/verification steps of up to 16 rows with inductor (CPU fp32, dense GQA
+    # targets; model/compiled.py): ~1.5x faster steps, ~75 s of compile per row count on 2
+    # cores, paid on first use (engines `warm` the counts a run uses before timing it).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from inference_eval.engine.attention import BatchLayout, make_backend
 from inference_eval.engine.config import EngineConfig
 from inference_eval.engine.kv_cache import KVCache
+from inference_eval.engine.model.compiled import CompiledSteps
 from inference_eval.engine.model.linear import set_cpu_blas
 from inference_eval.engine.model.transformer import TransformerLM
 from inference_eval.engine.page_allocator import PageAllocator
@@ -51,6 +52,9 @@ class LLMEngine:
         self.cpu_blas = self.cfg.cpu_blas == "numpy" or (
             self.cfg.cpu_blas == "auto" and self.device.type == "cpu" and self.dtype == torch.float32)
         set_cpu_blas(model, self.cpu_blas)
+        if self.cfg.compile and model.compiled is None:  # shared by every engine of the model
+            model.compiled = CompiledSteps(model)
+        self.lookahead, self.warmed = lookahead, False
         self.max_context = min(arch.max_position_embeddings, self.cfg.max_context or 1 << 62)
         num_pages = self.cfg.resolve_num_pages(KVCache.bytes_per_token_for_arch(arch, self.dtype))
         self.allocator = PageAllocator(num_pages, self.cfg.page_size)
@@ -82,6 +86,20 @@ class LLMEngine:
         req = Request(rid, ids, params, self.max_context)
         self.scheduler.add(req)
         return req
+
+    def warm(self, batch_size: int = 1) -> None:
+        """With engine.compile: compile the step sizes `batch_size` requests use, so none
+        is compiled inside a timed run: every row count up to batch_size x rows per round
+        when that is at most 5, else 1, the batch size and the full count (steps of other
+        sizes run eagerly). generate() warms for its first batch itself."""
+        if not self.cfg.compile:
+            return
+        n = batch_size * max(1, self.lookahead)  # a round verifies `lookahead` rows
+        self.warm_rows(range(1, n + 1) if n <= 5 else sorted({1, batch_size, n}))
+        self.warmed = True
+
+    def warm_rows(self, rows: Sequence[int]) -> None:
+        self.model.compiled.warm(rows)
 
     # ---- one step ----------------------------------------------------------------------
     def layout(self, batch: ScheduledBatch) -> BatchLayout:
@@ -150,6 +168,8 @@ class LLMEngine:
         result with `error` set; the others still run.
         """
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if self.cfg.compile and not self.warmed:
+            self.warm(min(len(prompts), self.cfg.max_batch_size))
         results: dict[int, GenerationResult] = {}
         live: dict[int, tuple[int, Request]] = {}
         for i, (prompt, p) in enumerate(zip(prompts, plist)):

@@ -116,6 +116,7 @@ def run_one(loaded: LoadedTarget, engine_cfg: EngineConfig, draft: DraftConfig,
     runner = Runner(lambda: build_engine(loaded, engine_cfg, draft), cfg.eval.chat,
                     cfg.eval.progress)
     if cfg.eval.warmup:
+        runner.engine.warm(cfg.eval.batch_size)  # engine.compile: no compile inside the timing
         warm = replace(cfg.sampling, max_new_tokens=min(8, cfg.sampling.max_new_tokens))
         runner.generate([turn_prompt([], items[0].turns[0], cfg.eval.chat)], warm)
     for stats in (getattr(runner.engine, "timing", None), getattr(runner.engine, "counters", None)):

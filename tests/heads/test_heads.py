@@ -174,3 +174,35 @@ def test_checkpoint_written_with_the_old_temperature_key_loads(parts, tmp_path):
         HeadConfig(distill_temperature=0.0)
     with pytest.raises(ValueError, match="head.feature_loss_weight"):
         HeadConfig(type="medusa", feature_loss_weight=1.0)
+
+
+def test_hidden_noise_perturbs_training_steps_only(parts):
+    """head.hidden_noise adds noise to the normed hidden input in training; the engine (eval
+    mode) sees the noiseless head, and the noise reaches the loss."""
+    with pytest.raises(ValueError, match="hidden_noise"):
+        HeadConfig(type="mtp", hidden_noise=-0.1)
+    batch = _batch(aux=False)
+    plain = build_head(HeadConfig(type="mtp"), parts, seed=0)
+    noisy = build_head(HeadConfig(type="mtp", hidden_noise=0.5), parts, seed=0)
+    tokens, hidden = batch.input_ids[:4], batch.hidden[:4]
+    plain.eval(), noisy.eval()
+    with torch.no_grad():
+        a, _ = plain.step(tokens, hidden, _ctx(plain, 4), k=1)
+        b, _ = noisy.step(tokens, hidden, _ctx(noisy, 4), k=1)
+    torch.testing.assert_close(a, b)  # same seed, same weights, no noise outside training
+    plain.train(), noisy.train()
+    torch.manual_seed(1)
+    loss_plain, _ = plain(batch)
+    torch.manual_seed(1)
+    loss_noisy, _ = noisy(batch)
+    assert not torch.allclose(loss_plain, loss_noisy)
+
+
+def _ctx(head, t):
+    """A cacheless causal step over t tokens for `head`'s layer."""
+    from inference_eval.engine.attention import BatchLayout
+    from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
+    from inference_eval.engine.model.transformer import StepContext
+
+    plan = TorchAttentionBackend().plan(BatchLayout.packed([t]))
+    return StepContext(head.rope_cos[plan.positions], head.rope_sin[plan.positions], plan, None)

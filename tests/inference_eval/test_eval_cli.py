@@ -138,6 +138,9 @@ class FakeSpecEngine:
         assert isinstance(draft, DraftConfig) and engine_cfg.max_batch_size == 2
         self.inner, self.k = LLMEngine(loaded.model, loaded.tokenizer, engine_cfg), draft.num_draft
 
+    def warm(self, batch_size=1):
+        self.inner.warm(batch_size)
+
     def generate(self, prompts, params, chat=True, progress=True):
         FakeSpecEngine.seen.append(list(prompts))
         if "EXPLODE" in json.dumps(prompts):

@@ -18,8 +18,9 @@ from torch import nn
 
 
 def use_numpy_blas(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # Inside a compiled step (model/compiled.py) inductor's own GEMM replaces the bridge.
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and not torch.is_grad_enabled() and x.dim() == 2)
+            and not torch.is_grad_enabled() and x.dim() == 2 and not torch.compiler.is_compiling())
 
 
 # Rows that run as one OpenBLAS GEMV each (scripts/bench_gemm.py, 2-core EPYC, 2 threads, a

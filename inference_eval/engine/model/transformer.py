@@ -49,6 +49,7 @@ class TransformerLM(nn.Module):
     Rotary tables cover `arch.rope_dim` (the decoupled rotary key width under MLA)."""
 
     cpu_blas: bool = False  # see model/linear.py; engines switch it on for CPU fp32
+    compiled = None  # model/compiled.CompiledSteps when an engine compiles its small-row steps
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -89,6 +90,13 @@ class TransformerLM(nn.Module):
         """
         positions = plan.positions
         ctx = StepContext(self.rope_cos[positions], self.rope_sin[positions], plan, cache)
+        c = self.compiled
+        if c is not None and c.applies(input_ids.shape[0], logits_indices, compute_logits,
+                                       tuple(aux_layers)):
+            logits, x, aux = c(input_ids, ctx, tuple(aux_layers))
+            if logits_indices is not None:
+                logits = logits.index_select(0, logits_indices)
+            return ModelOutput(logits=logits, hidden=x, aux=aux)
         x = self.embed_tokens(input_ids)
         want = {layer: j for j, layer in enumerate(aux_layers)}
         aux = [None] * len(want)

@@ -10,6 +10,9 @@ index n (the target cache holds 0..n-1), runs
     accept(reqs, n, accepted, emitted, out, rows)       after verification
     drop(rid)                                           when a request finishes
 
+With engine.compile the engine first calls `warm(rows)` with the row counts its rounds
+will use, so a drafter can compile its steps for them (before anything is timed).
+
 A `sync_free` drafter instead catches up in `verified(reqs, plan, row_tokens, out,
 last_rows)`, called right after the verify pass and before the host learns how much was
 accepted (the reference write-up's MTP round): it re-runs over every verified row with the
@@ -39,6 +42,7 @@ from torch import nn
 
 from inference_eval.engine.attention import BatchLayout
 from inference_eval.engine.kv_cache import KVCache
+from inference_eval.engine.model.compiled import CompiledHeadSteps, CompiledSteps, compilable
 from inference_eval.engine.model.linear import set_cpu_blas
 from inference_eval.engine.model.transformer import ModelOutput, StepContext, TransformerLM
 from inference_eval.engine.request import Request
@@ -68,6 +72,9 @@ class Drafter:
 
     def use_cpu_blas(self, enabled: bool) -> None:
         pass
+
+    def warm(self, rows: Sequence[int]) -> None:
+        """engine.compile: compile the draft's steps of these row counts (no-op by default)."""
 
     def prefill(self, reqs: list[Request], layout: BatchLayout, plan, pending: list[list[int]],
                 sampled: list[int], out: ModelOutput) -> None:
@@ -136,7 +143,10 @@ class _HeadLogits:
         self.cpu_blas = enabled
 
     def _logits(self, feats: torch.Tensor) -> torch.Tensor:
-        logits = self.head.logits(feats, self.cpu_blas).float()
+        return self._to_target(self.head.logits(feats, self.cpu_blas).float())
+
+    def _to_target(self, logits: torch.Tensor) -> torch.Tensor:
+        """[T, V_draft] -> [T, V] (identity without a reduced vocabulary)."""
         if self.d2t is not None:
             full = logits.new_full((logits.shape[0], self.head.arch.vocab_size), float("-inf"))
             logits = full.index_copy(1, self.d2t, logits)
@@ -161,12 +171,29 @@ class HeadDrafter(_HeadLogits, Drafter):
         self.cache = KVCache.for_arch(a, num_pages, page_size, dtype, device)  # a: one layer
         self.aux_layers = list(head.cfg.aux_layers) if head.cfg.type == "eagle3" else []
         self.carry: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.compiled = None
+
+    def warm(self, rows):
+        """Both state widths: the target's (refills: first_hidden) and the head's own."""
+        if not compilable(self.head):
+            return
+        if self.compiled is None:
+            self.compiled = CompiledHeadSteps(self.head)
+        h = self.head.arch.hidden_size
+        aux = torch.zeros(1, len(self.aux_layers), h) if self.aux_layers else None
+        first = self.head.first_hidden(torch.zeros(1, h), aux).shape[-1]
+        for width in sorted({h, first}):
+            self.compiled.warm(rows, (width,))
 
     def run(self, tokens, state, plan, rows=None, k=1):
         """On a small target the draft's lm_head is a fifth of a target step: a refill only
-        needs its last rows, hence `rows`."""
+        needs its last rows, hence `rows` (a compiled step computes them all: it is small)."""
         ctx = StepContext(self.head.rope_cos[plan.positions], self.head.rope_sin[plan.positions],
                           plan, self.cache)
+        c = self.compiled
+        if c is not None and c.applies(tokens.shape[0], state):
+            nxt, logits = c(tokens, state, ctx)
+            return nxt, self._to_target(logits if rows is None else logits.index_select(0, rows))
         nxt, feats = self.head.step(tokens, state, ctx, k=k)
         return nxt, self._logits(feats if rows is None else feats.index_select(0, rows))
 
@@ -269,6 +296,13 @@ class LLMDrafter(Drafter):
 
     def use_cpu_blas(self, enabled: bool) -> None:
         set_cpu_blas(self.model, enabled)
+
+    def warm(self, rows):
+        if not compilable(self.model):
+            return
+        if self.model.compiled is None:
+            self.model.compiled = CompiledSteps(self.model)
+        self.model.compiled.warm(rows)
 
     def run(self, tokens, state, plan, rows=None, k=1):
         return None, self.model(tokens, plan, self.cache, logits_indices=rows).logits

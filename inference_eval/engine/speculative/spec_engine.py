@@ -56,6 +56,11 @@ class SpecEngine(LLMEngine):
         self.timing = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "catch_up": 0.0}
         self.counters = {"rounds": 0, "host_syncs": 0}  # device-to-host reads per round
 
+    def warm_rows(self, rows) -> None:
+        """Verification passes return the drafter's aux layers; the drafter compiles too."""
+        self.model.compiled.warm(rows, tuple(self.drafter.aux_layers))
+        self.drafter.warm(rows)
+
     # ---- helpers ------------------------------------------------------------------------
     def _tick(self, key: str, t0: float) -> float:
         if self.device.type == "cuda":

@@ -1,0 +1,221 @@
+"""Compiled small-row steps (decode, verification, draft steps) for CPU fp32 inference.
+
+At batch 1 a step is a weight stream: ~540 MB of SmolLM2 weights per step whether it carries
+1 or 5 rows. No BLAS we can call reads each weight once for 2-16 rows (scripts/bench_gemm.py:
+OpenBLAS GEMM, one GEMV per row, MKL and oneDNN on packed weights); inductor's CPU GEMM
+template does: `torch.compile` with freezing packs every weight once into its blocked layout
+and generates a register-blocked micro-kernel per shape. Measured on the 2-core EPYC, a whole
+SmolLM2 step's products (120 layer weights + the lm_head): 1 row 27.6 ms (OpenBLAS GEMV 42),
+5 rows 41.9 ms (OpenBLAS 96.6). The same compile fuses the step's small ops (rope on q and k,
+norms, SwiGLU, residuals) that otherwise cost ~100 aten calls per layer.
+
+What is compiled: embedding -> every decoder layer -> final norm -> lm_head, for one row
+count T at a time (inductor specializes its GEMM on the rows, so each T is its own compile).
+Only the counts `warm` compiled run compiled, so no compile ever lands inside a timed run
+and a prompt that happens to be short never triggers one; other steps run eagerly. Attention stays the
+backend's own eager code: the graph calls it through one opaque custom op
+(`specheads::step_attend`), which reads the step's plan and cache from the active
+`StepContext`, so paging, plans and the KV cache are exactly the eager path's. Prefill (many
+rows, GEMM-bound, one row of logits) keeps the eager OpenBLAS path.
+
+Applies to dense GQA architectures (the Llama family); MLA and MoE layers run eagerly.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Iterable, Sequence
+
+import torch
+import torch._inductor.config as inductor_config
+from torch import nn
+
+from inference_eval.engine.attention.layout import BatchLayout
+from inference_eval.engine.attention.torch_backend import TorchAttentionPlan
+
+# Inductor settings, applied around every call (a compile happens lazily inside one; passed
+# as torch.compile(options=...) freezing is not applied): freezing turns weights into
+# constants it may pre-pack, max_autotune with the CPP backend alone selects its GEMM
+# template without benchmarking alternatives (seconds per shape in every compile).
+INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+
+def _cache_kernel_templates() -> None:
+    """Inductor re-parses the same jinja source for every GEMM it renders (~120 per SmolLM2
+    step: a third of a compile in cProfile); parsed templates are immutable, so parse each
+    source once. A no-op where torch has no such hook or already caches it."""
+    from torch._inductor.codegen.common import KernelTemplate
+
+    f = KernelTemplate.__dict__.get("_template_from_string")
+    if isinstance(f, staticmethod) and not hasattr(f.__func__, "cache_info"):
+        KernelTemplate._template_from_string = staticmethod(functools.lru_cache(maxsize=None)(f.__func__))
+
+
+_ACTIVE: list = []  # the StepContext of the step being run (a stack: heads run inside steps)
+
+
+@torch.library.custom_op("specheads::step_attend", mutates_args=())
+def step_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """The active step's attention (appends k/v to its cache): q [T, heads, d], k/v
+    [T, kv_heads, d] -> [T, heads, d]."""
+    return _ACTIVE[-1].attend(layer, q, k, v).contiguous()
+
+
+@step_attend.register_fake
+def _(q, k, v, layer):
+    return torch.empty_like(q)
+
+
+class _GraphContext:
+    """What a layer reads of its step inside the compiled graph: rotary rows and an attend
+    that defers to the active StepContext."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return step_attend(q, k, v, layer)
+
+
+class _Step(nn.Module):
+    """A TransformerLM step: (input_ids [T], cos/sin [T, rope_dim]) -> (logits [T, V] fp32,
+    hidden [T, H], aux [T, A, H] or None)."""
+
+    def __init__(self, model: nn.Module, aux_layers: tuple[int, ...]) -> None:
+        super().__init__()
+        self.model, self.aux_layers = model, aux_layers
+
+    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        m, ctx = self.model, _GraphContext(cos, sin)
+        x = m.embed_tokens(input_ids)
+        aux = []
+        for i, layer in enumerate(m.layers):
+            x = layer(x, ctx)
+            if i in self.aux_layers:
+                aux.append(x)
+        logits = m.compute_logits(x)
+        return logits, x, (torch.stack(aux, dim=1) if aux else None)
+
+
+class _HeadStep(nn.Module):
+    """A draft head's step (heads.DraftHead; attending heads do not read the step index):
+    (tokens [T], state [T, H_in], cos/sin [T, rope_dim]) -> (next state [T, H], logits
+    [T, V_draft] fp32 in the head's own vocabulary)."""
+
+    def __init__(self, head: nn.Module, aux_layers: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, tokens: torch.Tensor, state: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor):
+        nxt, feats = self.head.step(tokens, state, _GraphContext(cos, sin), k=1)
+        return nxt, self.head.logits(feats).float()
+
+
+def compilable(model: nn.Module) -> bool:
+    """Whether a TransformerLM or a draft head can run compiled: CPU fp32 weights, dense
+    GQA layers (a head: one attending layer)."""
+    w = model.lm_head_weight
+    a = model.arch
+    return (w.device.type == "cpu" and w.dtype == torch.float32 and not a.is_mla
+            and not any(a.is_moe_layer(i) for i in range(a.num_layers))
+            and getattr(model, "attends", True))
+
+
+class _RowCompiled:
+    """One compiled graph per (variant, row count), compiled only by `warm`."""
+
+    graph: type[nn.Module]
+
+    def __init__(self, module: nn.Module, max_rows: int = 16) -> None:
+        if not compilable(module):
+            raise ValueError("compiled steps need a CPU fp32 model with dense GQA layers "
+                             "(set engine.compile=false for this model)")
+        self.module, self.max_rows = module, max_rows
+        _cache_kernel_templates()
+        self.threads = torch.get_num_threads()  # the kernels' OpenMP width is fixed at compile
+        self._fns: dict[tuple[int, ...], object] = {}
+        self.rows: set[tuple[tuple[int, ...], int]] = set()  # (variant, T) warm() compiled
+        # One graph per row count and variant; past the default limit (8) dynamo would fall
+        # back to eager silently.
+        limit = 4 * max_rows
+        if torch._dynamo.config.recompile_limit < limit:
+            torch._dynamo.config.recompile_limit = limit
+
+    def ready(self, num_tokens: int, variant: tuple[int, ...] = ()) -> bool:
+        """Whether a step of this many rows runs compiled: warmed, and inference (no grad)."""
+        return (variant, num_tokens) in self.rows and not torch.is_grad_enabled()
+
+    def _run(self, variant: tuple[int, ...], ctx, *args):
+        fn = self._fns.get(variant)
+        if fn is None:
+            fn = self._fns[variant] = torch.compile(self.graph(self.module, variant),
+                                                    dynamic=False, fullgraph=True)
+        prev = torch.get_num_threads()
+        if prev != self.threads:
+            torch.set_num_threads(self.threads)
+        _ACTIVE.append(ctx)
+        try:
+            with inductor_config.patch(INDUCTOR_CONFIG):
+                return fn(*args, ctx.cos, ctx.sin)
+        finally:
+            _ACTIVE.pop()
+            if prev != self.threads:
+                torch.set_num_threads(prev)
+
+    def warm(self, rows: Iterable[int], variant: tuple[int, ...] = ()) -> None:
+        """Compile the given row counts (at most max_rows) now, each with a throwaway causal
+        step (no cache written); from then on steps of these counts run compiled."""
+        from inference_eval.engine.model.transformer import StepContext
+
+        m = self.module
+        with torch.inference_mode():
+            for t in sorted(set(rows)):
+                if t > self.max_rows or (variant, t) in self.rows:
+                    continue
+                plan = TorchAttentionPlan(BatchLayout.packed([t]), m.lm_head_weight.device)
+                ctx = StepContext(m.rope_cos[plan.positions], m.rope_sin[plan.positions], plan, None)
+                self._run(variant, ctx, *self._example(t, plan.positions.device, variant))
+                self.rows.add((variant, t))
+
+    def _example(self, t: int, device, variant) -> tuple[torch.Tensor, ...]:
+        """Inputs of a throwaway step of t rows (besides cos/sin)."""
+        raise NotImplementedError
+
+
+class CompiledSteps(_RowCompiled):
+    """The compiled steps of one TransformerLM (variant: the aux layers a step returns)."""
+
+    graph = _Step
+
+    def applies(self, num_tokens: int, logits_indices: torch.Tensor | None,
+                compute_logits: bool, aux_layers: tuple[int, ...] = ()) -> bool:
+        """Warmed, and logits wanted for every row (decode, verification), not only a
+        prefill's last row."""
+        return (compute_logits and self.ready(num_tokens, aux_layers)
+                and (logits_indices is None or logits_indices.numel() == num_tokens))
+
+    def __call__(self, input_ids: torch.Tensor, ctx, aux_layers: Sequence[int] = ()):
+        """input_ids [T]; ctx: the step's StepContext (plan, cache, rotary rows) ->
+        (logits [T, V] fp32, hidden [T, H], aux [T, A, H] or None)."""
+        return self._run(tuple(aux_layers), ctx, input_ids)
+
+    def _example(self, t, device, variant):
+        return (torch.zeros(t, dtype=torch.long, device=device),)
+
+
+class CompiledHeadSteps(_RowCompiled):
+    """The compiled steps of one attending draft head (MTP, EAGLE-1/3); variant: the width
+    of the state it reads (EAGLE-3's first step reads fused target layers, later steps its
+    own hidden state)."""
+
+    graph = _HeadStep
+
+    def applies(self, num_tokens: int, state: torch.Tensor) -> bool:
+        return self.ready(num_tokens, (state.shape[-1],))
+
+    def __call__(self, tokens: torch.Tensor, state: torch.Tensor, ctx):
+        """tokens [T], state [T, H_in] -> (next state [T, H], logits [T, V_draft] fp32)."""
+        return self._run((state.shape[-1],), ctx, tokens, state)
+
+    def _example(self, t, device, variant):
+        return (torch.zeros(t, dtype=torch.long, device=device),
+                torch.zeros(t, variant[0], device=device))
