@@ -8,11 +8,11 @@ final norm and lm_head come from the target at load time.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from heads.base import DraftHead
 from heads.formats import specheads
+from heads.formats.bundle import read_json
 from heads.formats.registry import foreign_head_config, import_head
 from heads.frozen import FrozenParts
 
@@ -28,7 +28,7 @@ def read_head_config(path: str | Path) -> dict:
     p = Path(path) / "config.json"
     if not p.is_file():
         raise FileNotFoundError(f"no head checkpoint at {Path(path)} (config.json missing)")
-    cfg = json.loads(p.read_text())
+    cfg = read_json(p)
     if specheads.detect(cfg):
         return cfg
     foreign = foreign_head_config(Path(path), cfg)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from heads.checkpoint import save_head
+from heads.formats.bundle import read_json, read_safetensors
 from train.full_state import FullState
 
 STATE_FORMAT = 2  # 1: optimizer by parameter index, per-rank data position (refused)
@@ -112,11 +113,16 @@ def save_training_state(root: Path, step: int, full: FullState, scheduler, posit
 
 
 def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint `latest` names; when that one is gone (deleted because it was damaged),
+    the newest complete step_* directory before it."""
     p = root / "latest"
     if not p.is_file():
         return None
     ck = root / p.read_text().strip()
-    return ck if (ck / "state.json").is_file() else None
+    if (ck / "state.json").is_file():
+        return ck
+    older = sorted(d for d in root.glob("step_*") if (d / "state.json").is_file())
+    return older[-1] if older else None
 
 
 def check_resume(ck: Path, saved: RunShape, now: RunShape) -> None:
@@ -150,25 +156,23 @@ def check_resume(ck: Path, saved: RunShape, now: RunShape) -> None:
 def load_training_state(ck: Path, head, scheduler, shape: RunShape) -> Resume:
     """Before acc.prepare, on every rank: checks, head weights, scheduler and RNG in place.
     The optimizer state is returned, to be loaded after prepare (FullState)."""
-    from safetensors.torch import load_file
-
-    meta = json.loads((ck / "state.json").read_text())
+    meta = read_json(ck / "state.json")
     if meta.get("format") != STATE_FORMAT:
         raise ValueError(f"checkpoint {ck} was written by an older trainer (format "
                          f"{meta.get('format', 1)}, this one reads {STATE_FORMAT}); start a new "
                          "output_dir")
     check_resume(ck, RunShape(**meta["run"]), shape)
-    saved_type = json.loads((ck / "head" / "config.json").read_text())["head"]["type"]
+    saved_type = read_json(ck / "head" / "config.json")["head"]["type"]
     if saved_type != head.cfg.type:
         raise ValueError(f"checkpoint {ck} holds a {saved_type!r} head, but head.type="
                          f"{head.cfg.type!r}: use another output_dir or the matching head")
-    head_state = load_file(str(ck / "head" / "model.safetensors"))
+    head_state = read_safetensors(ck / "head" / "model.safetensors")
     _, unexpected = head.load_state_dict(head_state, strict=False)
     lost = [k for k in head.trainable_state() if k not in head_state]
     if unexpected or lost:
         raise ValueError(f"checkpoint {ck} does not match this head: unexpected "
                          f"{unexpected[:5]}, missing {lost[:5]}")
-    tensors = load_file(str(ck / "optimizer.safetensors"))
+    tensors = read_safetensors(ck / "optimizer.safetensors")
     scheduler.load_state_dict(meta["scheduler"])
     torch.set_rng_state(tensors.pop("rng.torch"))
     cuda_rng = tensors.pop("rng.cuda", None)

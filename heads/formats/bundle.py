@@ -61,7 +61,32 @@ def read_config(path: Path) -> dict[str, Any]:
     p = path / "config.json"
     if not p.is_file():
         raise FileNotFoundError(f"no draft head at {path} (config.json missing)")
-    return json.loads(p.read_text())
+    return read_json(p)
+
+
+# A file cut short by a crash or a full disk: the fix is the same for every checkpoint file.
+_DAMAGED = ("the file is damaged (cut short by a crash or a full disk?): save or export the "
+            "head again, or for a training checkpoint delete that checkpoint directory to "
+            "resume from the one before")
+
+
+def read_json(p: Path) -> Any:
+    """A checkpoint's JSON file; a ValueError naming it when it does not parse."""
+    try:
+        return json.loads(Path(p).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{p} is not valid JSON ({exc}): {_DAMAGED}") from exc
+
+
+def read_safetensors(p: Path) -> dict[str, torch.Tensor]:
+    """One safetensors file (never pickle); a ValueError naming it when it does not load."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(p))
+    except SafetensorError as exc:
+        raise ValueError(f"{p} is not a readable safetensors file ({exc}): {_DAMAGED}") from exc
 
 
 def read_one_layer_config(path: Path, head: str) -> dict[str, Any]:

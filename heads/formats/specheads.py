@@ -22,7 +22,8 @@ import torch
 
 from heads.base import DraftHead
 from heads.config import HeadConfig, eagle3_aux_layers
-from heads.formats.bundle import HeadBundle, check_compatible, read_config as read_config_json
+from heads.formats.bundle import (HeadBundle, check_compatible, read_config as read_config_json,
+                                  read_safetensors)
 from heads.frozen import FrozenParts
 from heads.registry import build_head
 from inference_eval.engine.model.arch import ModelArch
@@ -66,20 +67,16 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
 def read(path: str | Path) -> HeadBundle:
     """Our checkpoint directory -> bundle, without the target (what exporters read)."""
-    from safetensors.torch import load_file
-
     meta = read_config(path)
     weights = Path(path) / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"head checkpoint {path} has no model.safetensors")
     return HeadBundle(HeadConfig.from_dict(meta["head"]), ModelArch(**meta["arch"]),
-                      meta.get("target", {}), load_file(str(weights)), str(path))
+                      meta.get("target", {}), read_safetensors(weights), str(path))
 
 
 def load(path: str | Path, parts: FrozenParts) -> DraftHead:
     """Our checkpoint directory -> head on `parts` (the target's frozen tensors)."""
-    from safetensors.torch import load_file
-
     meta = read_config(path)
     t_arch = meta.get("arch", {})
     if t_arch.get("hidden_size") != parts.arch.hidden_size or \
@@ -88,7 +85,7 @@ def load(path: str | Path, parts: FrozenParts) -> DraftHead:
                          f"{t_arch.get('hidden_size')} / vocab {t_arch.get('vocab_size')}, this "
                          f"target has {parts.arch.hidden_size} / {parts.arch.vocab_size}")
     return head_from_state(HeadConfig.from_dict(meta["head"]),
-                           load_file(str(Path(path) / "model.safetensors")), parts, str(path))
+                           read_safetensors(Path(path) / "model.safetensors"), parts, str(path))
 
 
 def head_from_state(cfg: HeadConfig, state: dict[str, torch.Tensor], parts: FrozenParts,

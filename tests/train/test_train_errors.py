@@ -2,6 +2,7 @@
 nothing is logged or checkpointed."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -64,6 +65,32 @@ def test_resume_from_another_head_type(shards, common, tmp_path):
     with pytest.raises(ValueError, match="holds a 'medusa' head, but head.type='mtp'"):
         train(_cfg(common, shards, out, "head=mtp", "trainer.max_steps=4"))
     assert (out / "metrics.jsonl").read_text() == lines  # not one step of mtp ran
+
+
+@pytest.mark.parametrize("damaged", ["state.json", "optimizer.safetensors",
+                                     "head/model.safetensors"])
+def test_damaged_resume_checkpoint_names_the_file(damaged, shards, common, tmp_path):
+    """A checkpoint file cut short (a kill mid-write outside the atomic rename, a full disk)
+    stops the resume with the file named and what to do, not a parser's traceback."""
+    out = tmp_path / "out"
+    train(_cfg(common, shards, out, "trainer.save_every=1"))
+    root = out / "checkpoints"
+    f = root / (root / "latest").read_text().strip() / damaged
+    f.write_bytes(f.read_bytes()[:20])
+    with pytest.raises(ValueError, match=rf"{damaged.split('/')[-1]} is not .*delete that checkpoint"):
+        train(_cfg(common, shards, out, "trainer.max_steps=4"))
+    shutil.rmtree(f.parents[len(damaged.split("/")) - 1])  # what the message says to do
+    train(_cfg(common, shards, out, "trainer.max_steps=4"))  # resumes from step 1
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-3:] == [2, 3, 4] and steps.count(2) == 2  # step 2 ran again, once more
+
+
+def test_damaged_head_config_names_the_file(tmp_path):
+    from heads.checkpoint import read_head_config
+
+    (tmp_path / "config.json").write_text('{"format": "specheads-head-v1", "head": {')
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
+        read_head_config(tmp_path)
 
 
 @pytest.mark.parametrize("override, match", [
