@@ -90,32 +90,59 @@ def test_compiled_speculative_rounds_accept_and_stay_lossless(compiled_pair):
     assert sum(r.meta["accepted"]) >= 8 and r.meta["accepted"][1] == 2
 
 
-def test_compiled_head_drafts_like_the_eager_head(compiled_pair, tmp_path):
-    """A head fitted on the target's own text, eager vs compiled (target and head steps):
-    the same tokens (= autoregressive), the same accepted lengths round by round."""
+@pytest.fixture(scope="module")
+def fitted(compiled_pair, tmp_path_factory):
+    """A head fitted on the target's own text (it accepts), its prompts and the AR output."""
     from heads.checkpoint import save_head
-    from inference_eval.evaluation.engines import build_engine
     from fit_head import fit_head_on
 
-    eager, comp = compiled_pair
+    eager, _ = compiled_pair
     prompts = _prompts(3, seed=21)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     ar = LLMEngine(eager.model, None, EngineConfig(**CFG)).generate(prompts, params, progress=False)
-    save_head(fit_head_on(eager, [r.prompt_ids + r.token_ids for r in ar]), tmp_path / "mtp")
-    draft = SimpleNamespace(kind="head", checkpoint=str(tmp_path / "mtp"), num_draft=2,
-                            scheme="chain", sync_free=False)
-    runs = []
-    for loaded, use in ((eager, False), (comp, True)):
+    path = tmp_path_factory.mktemp("head") / "mtp"
+    save_head(fit_head_on(eager, [r.prompt_ids + r.token_ids for r in ar]), path)
+    return str(path), prompts, params, ar
+
+
+def _eager_and_compiled(compiled_pair, draft, prompts, params):
+    from inference_eval.evaluation.engines import build_engine
+
+    runs, engines = [], []
+    for loaded, use in zip(compiled_pair, (False, True)):
         eng = build_engine(loaded, EngineConfig(compile=use, **CFG), draft)
         runs.append([eng.generate([p], params, progress=False)[0] for p in prompts])
-        if use:
-            h = loaded.model.arch.hidden_size
-            assert eng.drafter.compiled.rows == {((h,), 1), ((h,), 2), ((h,), 3)}
-    eager_out, comp_out = runs
+        engines.append(eng)
+    return runs, engines[1]
+
+
+def test_compiled_head_drafts_like_the_eager_head(compiled_pair, fitted):
+    """Eager vs compiled target and head steps: the same tokens (= autoregressive), the same
+    accepted lengths round by round."""
+    ck, prompts, params, ar = fitted
+    draft = SimpleNamespace(kind="head", checkpoint=ck, num_draft=2, scheme="chain",
+                            sync_free=False)
+    (eager_out, comp_out), eng = _eager_and_compiled(compiled_pair, draft, prompts, params)
+    h = compiled_pair[1].model.arch.hidden_size
+    assert eng.drafter.compiled.rows == {((h,), 1), ((h,), 2), ((h,), 3)}
     assert [r.token_ids for r in comp_out] == [r.token_ids for r in ar]
     assert [r.meta["accepted"] for r in comp_out] == [r.meta["accepted"] for r in eager_out]
     proposed = sum(sum(r.meta["proposed"]) for r in comp_out)
     assert sum(sum(r.meta["accepted"]) for r in comp_out) > 0.3 * proposed
+
+
+def test_compiled_tree_rounds_equal_the_eager_tree(compiled_pair, fitted):
+    """An EAGLE-2 tree (depth 2, 2 children, 4 nodes): verification of 5 rows and the head's
+    frontier steps run compiled; tokens and accepted lengths are the eager tree's."""
+    ck, prompts, params, ar = fitted
+    draft = SimpleNamespace(kind="head", checkpoint=ck, scheme="tree", depth=2, topk=2,
+                            total_tokens=4)
+    (eager_out, comp_out), eng = _eager_and_compiled(compiled_pair, draft, prompts, params)
+    assert ((), 5) in compiled_pair[1].model.compiled.rows
+    assert {t for _, t in eng.drafter.compiled.rows} >= {1, 2, 3}
+    assert [r.token_ids for r in comp_out] == [r.token_ids for r in ar]
+    assert [r.meta["accepted"] for r in comp_out] == [r.meta["accepted"] for r in eager_out]
+    assert sum(sum(r.meta["accepted"]) for r in comp_out) > 0
 
 
 def test_compile_refuses_what_it_cannot_run(tiny_hf):

@@ -56,6 +56,13 @@ class TreeSpecEngine(SpecEngine):
             raise ValueError("draft.scheme=tree needs draft=head with an MTP/EAGLE head; use "
                              "scheme=chain for draft=llm or a Medusa head")
 
+    def warm(self, batch_size: int = 1) -> None:
+        """Besides the verify pass, the head's tree sizes: `frontier` nodes per request and
+        level, and refills of up to depth + 1 accepted rows (at batch 1)."""
+        super().warm(batch_size)
+        if self.cfg.compile:
+            self.drafter.warm(sorted({*range(1, self.max_accepted + 2), batch_size * self.frontier}))
+
     def _slots(self, reqs: list[Request], index: torch.Tensor) -> torch.Tensor:
         """Cache indices index [B, M] (-1 = none) -> flat slots [B, M] of each request's pages."""
         out = torch.full_like(index, -1)
