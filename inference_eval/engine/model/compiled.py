@@ -100,8 +100,8 @@ class _HeadStep(nn.Module):
     (tokens [T], state [T, H_in], cos/sin [T, rope_dim]) -> (next state [T, H], logits
     [T, V_draft] fp32 in the head's own vocabulary)."""
 
-    def __init__(self, head: nn.Module, aux_layers: tuple[int, ...] = ()) -> None:
-        super().__init__()
+    def __init__(self, head: nn.Module, variant: tuple[int, ...] = ()) -> None:
+        super().__init__()  # variant (the state width) only keys the graph; shapes carry it
         self.head = head
 
     def forward(self, tokens: torch.Tensor, state: torch.Tensor, cos: torch.Tensor,
