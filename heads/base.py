@@ -21,12 +21,18 @@ from inference_eval.engine.model.linear import matmul_wt
 from inference_eval.engine.model.rope import arch_rope_tables
 
 
-def head_arch(target: ModelArch) -> ModelArch:
+def head_arch(target: ModelArch, moe: bool = False) -> ModelArch:
     """The arch of a head's one decoder layer: the target's attention (GQA, or MLA for
-    DeepSeek) with a dense SwiGLU MLP of the target's intermediate_size. A DeepSeek target's
-    routed experts are dropped (n_routed_experts = 0): heads run no mixture of experts yet,
-    so layer 0 of the head is dense even when the target's layer 0 is an MoE layer."""
-    return replace(target, num_layers=1, n_routed_experts=0)
+    DeepSeek) with, by default, a dense SwiGLU MLP of the target's intermediate_size (a
+    DeepSeek target's routed experts dropped, even when its layer 0 is an MoE layer). moe:
+    the layer is an MoE layer with the target's experts, router and shared experts (layer 0
+    of a one-layer arch whose first_k_dense_replace is 0)."""
+    if not moe:
+        return replace(target, num_layers=1, n_routed_experts=0)
+    if target.n_routed_experts == 0:
+        raise ValueError(f"head.moe=true: the target ({target.architecture}) has no routed "
+                         "experts for the head's layer to copy; use head.moe=false (a dense MLP)")
+    return replace(target, num_layers=1, first_k_dense_replace=0, moe_layer_freq=1)
 
 
 class DraftHead(nn.Module):
@@ -42,7 +48,7 @@ class DraftHead(nn.Module):
         required when cfg.draft_vocab_size is set."""
         super().__init__()
         self.cfg = cfg
-        self.arch = head_arch(parts.arch)
+        self.arch = head_arch(parts.arch, cfg.moe)
         self.target_identity = parts.identity
         self.register_buffer("embed", parts.embed.detach(), persistent=False)
         self.frozen = FrozenHead(parts)

@@ -35,6 +35,9 @@ class HeadConfig:
       DeepSeek-V3 MTP layer, so native MTP layers loaded from a checkpoint use it).
     hidden_noise: std of Gaussian noise added to the normed hidden input in training only
       (EAGLE's feature noise: a regularizer for heads that memorize small data; 0 = off).
+    moe: the mtp head's decoder layer is a mixture-of-experts layer with the target's expert
+      shapes and routing (DeepSeek-V3/R1's own MTP layer is one); needs a target with routed
+      experts. False (default): a dense SwiGLU MLP of the target's intermediate_size.
     """
 
     type: str = "mtp"
@@ -47,6 +50,7 @@ class HeadConfig:
     aux_layers: list[int] = field(default_factory=list)
     hidden_input: str = "pre_norm"
     hidden_noise: float = 0.0
+    moe: bool = False
 
     def __post_init__(self) -> None:
         if self.type not in HEAD_TYPES:
@@ -69,6 +73,9 @@ class HeadConfig:
             raise ValueError(f"head.hidden_input={self.hidden_input!r}: use one of {HIDDEN_INPUTS}")
         if self.hidden_input != "pre_norm" and self.type != "mtp":
             raise ValueError(f"head.hidden_input={self.hidden_input!r} applies to mtp heads only")
+        if self.moe and self.type != "mtp":
+            raise ValueError(f"head.moe=true applies to mtp heads only (head.type={self.type!r}: "
+                             "its export formats hold a dense Llama layer)")
         if self.hidden_noise < 0:
             raise ValueError(f"head.hidden_noise must be >= 0, got {self.hidden_noise}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:

@@ -100,13 +100,15 @@ def make_tiny_deepseek(family: str, path=None, seed: int = 0):
     return model
 
 
-def add_native_mtp_layer(path, hf_model, seed: int = 1):
+def add_native_mtp_layer(path, hf_model, seed: int = 1, moe: bool = False):
     """Make `path` (a saved tiny DeepSeek-V3 model) a DeepSeek-V3-style checkpoint with its MTP
     module at layer L = num_hidden_layers: config.json gets num_nextn_predict_layers = 1 and
     model.safetensors gains model.layers.{L}.{enorm, hnorm, eh_proj, shared_head.norm,
-    shared_head.head, embed_tokens, <a dense decoder layer>} (random; the two copies are the
-    target's embedding and lm_head, as DeepSeek ships them). Returns the MTP module's parts
-    as transformers modules {enorm, hnorm, eh_proj, layer, shared_norm} for a reference."""
+    shared_head.head, embed_tokens, <a decoder layer>} (random; the two copies are the
+    target's embedding and lm_head, as DeepSeek ships them). The layer is dense, or with moe
+    an MoE layer like V3/R1's real layer 61 (transformers builds layer L as one), its routed
+    experts written under the hub's per-expert names. Returns the MTP module's parts as
+    transformers modules {enorm, hnorm, eh_proj, layer, shared_norm} for a reference."""
     import json
     from pathlib import Path
 
@@ -115,19 +117,23 @@ def add_native_mtp_layer(path, hf_model, seed: int = 1):
                                                                       DeepseekV3RMSNorm)
 
     path, cfg = Path(path), hf_model.config
-    assert cfg.first_k_dense_replace >= 1  # layer_idx 0 below builds the dense-MLP layer
     h, L = cfg.hidden_size, cfg.num_hidden_layers
+    assert moe or cfg.first_k_dense_replace >= 1  # layer_idx 0 builds the dense-MLP layer
     torch.manual_seed(seed)
     parts = {"enorm": DeepseekV3RMSNorm(h, cfg.rms_norm_eps),
              "hnorm": DeepseekV3RMSNorm(h, cfg.rms_norm_eps),
              "eh_proj": torch.nn.Linear(2 * h, h, bias=False),
-             "layer": DeepseekV3DecoderLayer(cfg, layer_idx=0),
+             "layer": DeepseekV3DecoderLayer(cfg, layer_idx=L if moe else 0),
              "shared_norm": DeepseekV3RMSNorm(h, cfg.rms_norm_eps)}
     with torch.no_grad():
         for m in parts.values():
             for name, p in m.named_parameters():
                 p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else
+                        0.3 * torch.randn_like(p) if name.endswith("mlp.gate.weight") else
                         0.05 * torch.randn_like(p))
+            for name, b in m.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(0.05 * torch.randn_like(b))
     for m in parts.values():
         m.eval()
     pre = f"model.layers.{L}."
@@ -136,7 +142,7 @@ def add_native_mtp_layer(path, hf_model, seed: int = 1):
            pre + "shared_head.norm.weight": parts["shared_norm"].weight,
            pre + "shared_head.head.weight": hf_model.lm_head.weight,
            pre + "embed_tokens.weight": hf_model.model.embed_tokens.weight,
-           **{pre + k: v for k, v in parts["layer"].state_dict().items()}}
+           **{pre + k: v for k, v in hub_expert_names(parts["layer"].state_dict()).items()}}
     weights = load_file(str(path / "model.safetensors"))
     weights.update({k: v.detach().clone().contiguous() for k, v in mtp.items()})
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -144,3 +150,30 @@ def add_native_mtp_layer(path, hf_model, seed: int = 1):
     config["num_nextn_predict_layers"] = 1
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return parts
+
+
+def hub_expert_names(state: dict) -> dict:
+    """A transformers DeepSeek layer's state (fused mlp.experts.gate_up_proj [E, 2I, H] and
+    down_proj [E, H, I]) -> the hub's per-expert names mlp.experts.{e}.{gate,up,down}_proj."""
+    out = {k: v for k, v in state.items() if not k.startswith("mlp.experts.")}
+    if "mlp.experts.gate_up_proj" in state:
+        gu, down = state["mlp.experts.gate_up_proj"], state["mlp.experts.down_proj"]
+        i = gu.shape[1] // 2
+        for e in range(gu.shape[0]):
+            out[f"mlp.experts.{e}.gate_proj.weight"] = gu[e, :i]
+            out[f"mlp.experts.{e}.up_proj.weight"] = gu[e, i:]
+            out[f"mlp.experts.{e}.down_proj.weight"] = down[e]
+    return out
+
+
+def fused_expert_names(state: dict) -> dict:
+    """Inverse of hub_expert_names (what transformers' layer loads with strict=True)."""
+    out = {k: v for k, v in state.items() if not k.startswith("mlp.experts.")}
+    n = len({k.split(".")[2] for k in state if k.startswith("mlp.experts.")})
+    if n:
+        out["mlp.experts.gate_up_proj"] = torch.stack([torch.cat(
+            [state[f"mlp.experts.{e}.gate_proj.weight"], state[f"mlp.experts.{e}.up_proj.weight"]])
+            for e in range(n)])
+        out["mlp.experts.down_proj"] = torch.stack(
+            [state[f"mlp.experts.{e}.down_proj.weight"] for e in range(n)])
+    return out

@@ -29,7 +29,7 @@ from inference_eval.engine.model.arch import ModelArch
 from inference_eval.engine.target import frozen_hash, iter_safetensors
 from heads.formats.bundle import (HeadBundle, cfg_from_stamp, check_compatible, head_stamp,
                                  read_config, refuse_unused, target_stamp)
-from heads.formats.layer_names import layer_from_hf, layer_to_hf
+from heads.formats.layer_names import has_moe_tensors, layer_from_hf, layer_to_hf
 
 NAME = "deepseek_mtp"
 HEAD_TYPES = ("mtp",)
@@ -128,6 +128,7 @@ def read(path: Path) -> HeadBundle:
                          "save_pretrained drops layer {L}; so do some hub conversions): "
                          .replace("{L}", str(L)) + _NO_MTP_FIX.format(L=L))
     state = {ours: t.pop(prefix + theirs) for ours, theirs in _OWN.items()}
+    moe = has_moe_tensors(t, prefix)  # DeepSeek-V3/R1's own MTP layer routes experts
     state.update(layer_from_hf(t, prefix, "layer.", arch, src))
     embed = t.pop(prefix + "embed_tokens.weight", None)
     head = t.pop(prefix + "shared_head.head.weight", None)
@@ -135,8 +136,8 @@ def read(path: Path) -> HeadBundle:
     mtp = cfg.get("specheads_mtp") or {}
     hidden_input = "pre_norm" if mtp.get("hidden_input") == "pre-final-norm" else "post_norm"
     target = cfg.get("specheads_target") or {"name": cfg.get("_name_or_path"), "path": src}
-    return HeadBundle(cfg_from_stamp(cfg.get("specheads_head"), "mtp", hidden_input=hidden_input),
-                      arch, target, state, src, embed, head)
+    return HeadBundle(cfg_from_stamp(cfg.get("specheads_head"), "mtp", hidden_input=hidden_input,
+                                     moe=moe), arch, target, state, src, embed, head)
 
 
 _NO_MTP_FIX = ("to draft with a native MTP layer, point draft.checkpoint at the original "

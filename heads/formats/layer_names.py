@@ -8,15 +8,18 @@ never disagree with how a target checkpoint is read.
 DeepSeek layers (multi-head latent attention, MLA) go through the DeepSeek adapter
 (model/deepseek_weights.py): q_a_proj (or q_proj) and kv_a_proj_with_mqa are fused into
 `self_attn.qkv_a_proj`, and an interleaved checkpoint's rotary rows are reordered; writing
-undoes both, so a written layer is byte-for-byte what a DeepSeek loader expects.
+undoes both, so a written layer is byte-for-byte what a DeepSeek loader expects. Their MLP is
+dense (gate/up/down_proj) or, for a head with `moe` (DeepSeek-V3/R1's own MTP layer), a
+mixture of experts under the hub's per-expert names (`mlp.experts.{e}.{gate,up,down}_proj`,
+`mlp.gate.weight` (+ `e_score_correction_bias`), `mlp.shared_experts.*`); reading also takes
+transformers' fused `mlp.experts.gate_up_proj` / `down_proj`.
 """
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 from torch import nn
 
+from heads.base import head_arch
 from inference_eval.engine.model.arch import DEEPSEEK_ARCHITECTURES, ModelArch
 from inference_eval.engine.model.deepseek_weights import deepseek_name_to_ours
 from inference_eval.engine.model.layers import DecoderLayer
@@ -43,17 +46,37 @@ _DEEPSEEK_REST = (
     "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight",
     "self_attn.o_proj.weight", "self_attn.o_proj.bias",
     "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
 )
+_DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+_MOE_PREFIXES = ("mlp.experts.", "mlp.gate.", "mlp.shared_experts.")
+_FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 def is_deepseek(arch: ModelArch) -> bool:
     return arch.architecture in DEEPSEEK_ARCHITECTURES
 
 
-def deepseek_layer_leaves(arch: ModelArch) -> tuple[str, ...]:
-    """Every tensor a dense DeepSeek decoder layer can hold, in HF names relative to it."""
-    return (_DEEPSEEK_Q_LORA if arch.q_lora_rank is not None else _DEEPSEEK_Q_PLAIN) + _DEEPSEEK_REST
+def deepseek_layer_leaves(arch: ModelArch, fused_experts: bool = False) -> tuple[str, ...]:
+    """Every tensor layer 0 of `arch` (a head's one-layer arch, heads.base.head_arch) can
+    hold, in HF names relative to it: attention, then its dense or MoE MLP (per-expert names,
+    or transformers' fused expert tensors with fused_experts)."""
+    attn = (_DEEPSEEK_Q_LORA if arch.q_lora_rank is not None else _DEEPSEEK_Q_PLAIN) + _DEEPSEEK_REST
+    if not arch.is_moe_layer(0):
+        return attn + _DENSE_MLP
+    experts = _FUSED_EXPERTS if fused_experts else tuple(
+        f"mlp.experts.{e}.{p}.weight" for e in range(arch.n_routed_experts)
+        for p in ("gate_proj", "up_proj", "down_proj"))
+    router = ("mlp.gate.weight",) + (("mlp.gate.e_score_correction_bias",)
+                                     if arch.scoring_func == "sigmoid" else ())
+    shared = tuple(f"mlp.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")
+                   ) if arch.n_shared_experts else ()
+    return attn + router + experts + shared
+
+
+def has_moe_tensors(tensors, hf_prefix: str) -> bool:
+    """Whether the layer under `hf_prefix` holds a mixture-of-experts MLP."""
+    return any(n.startswith(hf_prefix) and n[len(hf_prefix):].startswith(_MOE_PREFIXES)
+               for n in tensors)
 
 
 def _ours(leaf: str, arch: ModelArch) -> tuple[str, slice | None]:
@@ -112,9 +135,10 @@ def layer_from_hf(tensors: dict[str, torch.Tensor], hf_prefix: str, ours_prefix:
 
 def _deepseek_layer_to_hf(state: dict[str, torch.Tensor], ours_prefix: str, hf_prefix: str,
                           arch: ModelArch) -> dict[str, torch.Tensor]:
+    a = head_arch(arch, ours_prefix + "mlp.experts.gate_up_proj" in state)
     out = {}
-    for leaf in deepseek_layer_leaves(arch):
-        ours, index, transform = deepseek_name_to_ours(f"model.layers.0.{leaf}", arch)
+    for leaf in deepseek_layer_leaves(a):
+        ours, index, transform = deepseek_name_to_ours(f"model.layers.0.{leaf}", a)
         t = state.get(ours_prefix + ours.removeprefix("layers.0."))
         if t is None:
             continue
@@ -129,15 +153,18 @@ def _deepseek_layer_to_hf(state: dict[str, torch.Tensor], ours_prefix: str, hf_p
 def _deepseek_layer_from_hf(tensors: dict[str, torch.Tensor], hf_prefix: str, ours_prefix: str,
                             arch: ModelArch, source: str) -> dict[str, torch.Tensor]:
     """Loads the layer through the target's own adapter (load_hf_tensors), so every tensor
-    of our layer must be present and of its shape; a missing one is named by its HF name."""
-    a = replace(arch, num_layers=1, n_routed_experts=0)
-    moe = sorted(n for n in tensors if n.startswith(hf_prefix) and n[len(hf_prefix):].startswith(
-        ("mlp.experts.", "mlp.gate.", "mlp.shared_experts.")))
-    if moe:
-        raise ValueError(f"{source}: the layer under {hf_prefix!r} has a mixture-of-experts MLP "
-                         f"({moe[0]}, ...); our heads' layer has a dense MLP, and MoE layers in "
-                         "heads are not supported yet")
-    need = [leaf for leaf in deepseek_layer_leaves(a) if a.qkv_bias or not leaf.endswith(".bias")]
+    of our layer must be present and of its shape; a missing one is named by its HF name.
+    `arch` is the target's: the layer is an MoE layer with its experts when the tensors hold
+    one (has_moe_tensors), else dense."""
+    moe = has_moe_tensors(tensors, hf_prefix)
+    if moe and arch.n_routed_experts == 0:
+        raise ValueError(f"{source}: the layer under {hf_prefix!r} has a mixture-of-experts MLP, "
+                         "but the target's config declares no routed experts (n_routed_experts "
+                         "= 0): it is not a head for this target")
+    a = head_arch(arch, moe)
+    fused = hf_prefix + _FUSED_EXPERTS[0] in tensors
+    need = [leaf for leaf in deepseek_layer_leaves(a, fused)
+            if a.qkv_bias or not leaf.endswith(".bias")]
     missing = [hf_prefix + leaf for leaf in need if hf_prefix + leaf not in tensors]
     if missing:
         raise ValueError(f"{source}: missing tensor(s) {missing}")

@@ -1,5 +1,6 @@
 """Heads on a DeepSeek target: the head's one layer is the target's latent attention (MLA)
-with a dense MLP, and its training rollout (heads/rollout_attention.py, latent q/k/v) gives
+with a dense MLP, or with `head.moe` the target's mixture of experts (DeepSeek-V3's own MTP
+layer is one), and its training rollout (heads/rollout_attention.py, latent q/k/v) gives
 the draft logits the engine's paged path (HeadDrafter over a latent KV cache) gives, step by
 step of a K = 3 chain, on a packed batch of two sequences."""
 from __future__ import annotations
@@ -16,6 +17,7 @@ from inference_eval.engine.attention import BatchLayout
 from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
 from inference_eval.engine.model.mla import MLAttention
 from inference_eval.engine.model.mlp import MLP
+from inference_eval.engine.model.moe import MoE
 from inference_eval.engine.speculative.drafters import HeadDrafter
 from inference_eval.engine.target import TargetConfig, load_target
 from inference_eval.evaluation.engines import frozen_parts_of
@@ -41,9 +43,41 @@ def test_head_layer_is_mla_with_a_dense_mlp(loaded, kind):
     assert head.rope_cos.shape[1] == loaded.model.arch.qk_rope_head_dim
 
 
-def test_rollout_logits_equal_the_engines_paged_draft_logits(loaded):
+def test_moe_head_layer_has_the_targets_experts_and_trains_them(loaded):
+    a = loaded.model.arch
+    head = build_head(HeadConfig(type="mtp", moe=True), frozen_parts_of(loaded), seed=0)
+    moe = head.layer.mlp
+    assert isinstance(moe, MoE) and isinstance(head.layer.self_attn, MLAttention)
+    assert moe.experts.gate_up_proj.shape == (a.n_routed_experts, 2 * a.moe_intermediate_size,
+                                              a.hidden_size)
+    assert (moe.shared_experts is not None) == (a.n_shared_experts > 0)
+    assert head.arch.scoring_func == a.scoring_func and head.arch.n_group == a.n_group
+    # The objective's gradient reaches the routed experts and the router.
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 320, (12,), generator=g)
+    with torch.no_grad():
+        hidden = loaded.model(ids, TorchAttentionBackend().plan(BatchLayout.packed([12])), None,
+                              compute_logits=False).hidden
+    loss, _ = head(PackedBatch(ids, hidden, torch.ones(12, dtype=torch.bool), [12]))
+    loss.backward()
+    assert moe.experts.gate_up_proj.grad.abs().sum() > 0 and moe.gate.weight.grad.abs().sum() > 0
+
+
+def test_moe_head_needs_an_moe_target_and_an_mtp_head():
+    from inference_eval.engine.model.arch import ModelArch
+    from heads.base import head_arch
+
+    with pytest.raises(ValueError, match=r"no routed experts.*head\.moe=false"):
+        head_arch(ModelArch(), moe=True)
+    with pytest.raises(ValueError, match=r"head\.moe=true applies to mtp heads only"):
+        HeadConfig(type="eagle1", moe=True)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_rollout_logits_equal_the_engines_paged_draft_logits(loaded, moe):
     torch.set_num_threads(1)
-    head = build_head(HeadConfig(type="mtp", num_steps=3), frozen_parts_of(loaded), seed=1)
+    head = build_head(HeadConfig(type="mtp", num_steps=3, moe=moe), frozen_parts_of(loaded),
+                      seed=1)
     head.eval()
     g = torch.Generator().manual_seed(2)
     lens = [9, 14]

@@ -85,11 +85,13 @@ def test_tiny_deepseek_preset_generates():
     assert [len(r.token_ids) for r in out] == [4, 4]
 
 
-def test_flashinfer_plan_meets_mla_with_a_named_error(v3):
+def test_flashinfer_mla_refuses_a_cacheless_pass_naming_the_fix(v3):
+    """FlashInfer's MLA kernel reads a paged latent cache; a cacheless (packed) pass is
+    refused by name (the GPU paths themselves: test_flashinfer_mla.py)."""
     from inference_eval.engine.attention.flashinfer_backend import FlashInferPlan
     from inference_eval.engine.attention.mla_torch import mla_attend
 
-    plan = object.__new__(FlashInferPlan)  # the type is what is refused; no CUDA needed
+    plan = object.__new__(FlashInferPlan)  # no CUDA needed: the refusal precedes any kernel
     q, lat = torch.zeros(2, 4, 40), torch.zeros(2, 1, 40)
     with pytest.raises(NotImplementedError, match="FlashInfer MLA"):
         mla_attend(plan, 0, q, lat, None, 32, 0.1)

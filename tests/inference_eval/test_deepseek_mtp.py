@@ -178,6 +178,15 @@ def test_export_to_deepseek_mtp_reads_back_with_identical_logits(plain, tmp_path
                                atol=1e-4, rtol=1e-4)
 
 
+def _copy_without(src, dst, tensor: str):
+    """A copy of checkpoint `src` at `dst` whose model.safetensors lacks `tensor`."""
+    shutil.copytree(src, dst)
+    w = load_file(str(dst / "model.safetensors"))
+    del w[tensor]
+    save_file(w, str(dst / "model.safetensors"))
+    return dst
+
+
 def _as_draft(ck):
     return SimpleNamespace(kind="head", checkpoint=str(ck), scheme="chain", num_draft=3,
                            sync_free=False)
@@ -198,11 +207,82 @@ def test_deepseek_checkpoint_without_mtp_tensors_is_refused_with_the_fix(plain, 
     with pytest.raises(ValueError, match=r"num_nextn_predict_layers=0.*model\.layers\.3\.\*" + fix):
         build_engine(loaded, EngineConfig(**CFG), _as_draft(none))
     # One decoder-layer tensor of the MTP layer missing: named by its checkpoint name.
-    partial = tmp_path / "partial"
-    shutil.copytree(native[0], partial)
-    w = load_file(str(partial / "model.safetensors"))
-    del w["model.layers.3.self_attn.kv_b_proj.weight"]
-    save_file(w, str(partial / "model.safetensors"))
+    partial = _copy_without(native[0], tmp_path / "partial",
+                            "model.layers.3.self_attn.kv_b_proj.weight")
     with pytest.raises(ValueError, match=r"missing tensor\(s\) \['model\.layers\.3\.self_attn"
                                          r"\.kv_b_proj\.weight'\]"):
         build_engine(loaded, EngineConfig(**CFG), _as_draft(partial))
+
+
+# ---- an MoE MTP layer: DeepSeek-V3/R1's real layer 61 routes experts ----------------------
+
+@pytest.fixture(scope="module")
+def native_moe(plain, tmp_path_factory):
+    """The V3 model with a random native MTP layer that is an MoE layer (sigmoid + bias
+    routing over 4 groups, a shared expert), its experts under the hub's per-expert names."""
+    d = tmp_path_factory.mktemp("v3_mtp_moe") / "ck"
+    shutil.copytree(plain[0], d)
+    parts = add_native_mtp_layer(d, plain[1], seed=2, moe=True)
+    assert "model.layers.3.mlp.experts.7.down_proj.weight" in load_file(str(d / "model.safetensors"))
+    return d, parts
+
+
+def test_native_moe_mtp_layer_drafts_with_the_modules_own_logits(plain, native_moe):
+    _, hf, loaded = plain
+    d, parts = native_moe
+    head = load_head(d, frozen_parts_of(loaded))
+    assert head.cfg.moe and type(head.layer.mlp).__name__ == "MoE"
+    ids = _ids(seed=9)
+    got = engine_step1_logits(head, ids[1:], _target_hidden(loaded, ids)[:-1])
+    torch.testing.assert_close(got, reference_logits(hf, parts, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_native_moe_mtp_greedy_chain_equals_autoregressive(plain, native_moe):
+    loaded = plain[2]
+    g = torch.Generator().manual_seed(3)
+    prompts = [[1] + torch.randint(3, 320, (9 + 3 * i,), generator=g).tolist() for i in range(3)]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    ar = LLMEngine(loaded.model, None, EngineConfig(**CFG)).generate(prompts, params, progress=False)
+    out = build_engine(loaded, EngineConfig(**CFG), _as_draft(native_moe[0])).generate(
+        prompts, params, progress=False)
+    assert [r.token_ids for r in out] == [r.token_ids for r in ar]
+    assert sum(sum(r.meta["proposed"]) for r in out) > 0
+
+
+def test_moe_head_exports_to_deepseek_mtp_and_loads_into_transformers_moe_layer(plain, tmp_path):
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    from tiny_hf_models import fused_expert_names
+
+    d, hf, loaded = plain
+    parts = frozen_parts_of(loaded)
+    head = build_head(HeadConfig(type="mtp", moe=True), parts, seed=4)
+    save_head(head, tmp_path / "ours")
+    out = tmp_path / "mtp"
+    assert export_cli(["--checkpoint", str(tmp_path / "ours"), "--format", "deepseek_mtp",
+                       "--output", str(out), "--target-dir", str(d)]) == 0
+    mtp = load_file(str(out / "model-mtp.safetensors"))
+    pre = "model.layers.3."
+    assert {pre + "mlp.experts.0.gate_proj.weight", pre + "mlp.experts.7.down_proj.weight",
+            pre + "mlp.gate.weight", pre + "mlp.gate.e_score_correction_bias",
+            pre + "mlp.shared_experts.up_proj.weight"} <= set(mtp)
+    assert pre + "mlp.gate_proj.weight" not in mtp
+    back = load_head(out, parts)
+    assert back.cfg.moe
+    ids = _ids(seed=10)
+    hidden = _target_hidden(loaded, ids)[:-1]
+    assert torch.equal(engine_step1_logits(head, ids[1:], hidden),
+                       engine_step1_logits(back, ids[1:], hidden))
+    # transformers' own MoE layer (layer_idx 3 is an MoE layer by the config) loads it strictly.
+    layer = DeepseekV3DecoderLayer(hf.config, layer_idx=3)
+    own = {k[len(pre):]: v for k, v in mtp.items() if k.startswith(pre) and k[len(pre):].split(
+        ".")[0] in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")}
+    layer.load_state_dict(fused_expert_names(own), strict=True)
+
+
+def test_moe_mtp_layer_with_a_missing_expert_is_refused_naming_it(plain, native_moe, tmp_path):
+    bad = _copy_without(native_moe[0], tmp_path / "bad",
+                        "model.layers.3.mlp.experts.5.up_proj.weight")
+    with pytest.raises(ValueError, match=r"missing tensor\(s\) \['model\.layers\.3\.mlp\.experts"
+                                         r"\.5\.up_proj\.weight'\]"):
+        build_engine(plain[2], EngineConfig(**CFG), _as_draft(bad))

@@ -8,6 +8,7 @@ does) and runs one kernel. Which wrapper runs a step:
     all q_len == 1, no tree masks   BatchDecodeWithPagedKVCacheWrapper    (none needed)
     paged, anything else            BatchPrefillWithPagedKVCacheWrapper   causal or custom_mask
     cacheless (block_tables None)   BatchPrefillWithRaggedKVCacheWrapper  causal or custom_mask
+    MLA (`attend_latent`), paged    BatchMLAPagedAttentionWrapper         causal (flashinfer_mla.py)
 
 FlashInfer's causal mask is bottom-right aligned (query i of a request with kv_len K and q_len Q
 sees keys j <= K - Q + i), which is the torch backend's `ctx + i` rule. Paged metadata worked
@@ -126,6 +127,7 @@ class FlashInferPlan:
             self.meta = {"qo_indptr": cu, "kv_indptr": cu}
         mask = tree_custom_mask(layout)
         self.custom_mask = None if mask is None else mask.to(dev)
+        self._mla = None  # flashinfer_mla.FlashInferMLA, made by the first attend_latent
 
     def _ensure_planned(self, q: torch.Tensor, k: torch.Tensor):
         """Run the wrapper's plan on first use (or after another plan took the wrapper)."""
@@ -166,6 +168,21 @@ class FlashInferPlan:
         # v is usually a strided slice of the fused qkv output; hand the kernel dense rows.
         return self._ensure_planned(q, k).run(q, k.contiguous(), v.contiguous())
 
+    def attend_latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor, cache,
+                      v_dim: int, scale: float) -> torch.Tensor:
+        """MLA (absorbed): q [T, heads, D], latent rows [T, 1, D] (fp16/bf16) -> [T, heads,
+        v_dim] with FlashInfer's MLA kernel; appends the rows to `cache` first. Paged layouts
+        only; tree-masked steps fall back to the torch path (flashinfer_mla.py)."""
+        from inference_eval.engine.attention import flashinfer_mla
+
+        if cache is None:
+            raise NotImplementedError(flashinfer_mla.NO_CACHE_MSG)
+        if q.shape[0] != self.num_tokens:
+            raise ValueError(f"plan is for {self.num_tokens} tokens, got q with {q.shape[0]}")
+        if self._mla is None:
+            self._mla = flashinfer_mla.FlashInferMLA(self)
+        return self._mla.attend(layer, q, latent, cache, v_dim, scale)
+
 
 class FlashInferBackend:
     """Owns one 128 MB float workspace (shared by the wrappers; their runs are serialized on
@@ -201,6 +218,10 @@ class FlashInferBackend:
                                                           use_tensor_cores=tensor_cores)
             elif kind == "paged":
                 w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+            elif kind == "mla":
+                from inference_eval.engine.attention.flashinfer_mla import new_wrapper
+
+                w = new_wrapper(fi, ws)
             else:
                 w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
             self._wrappers[key] = w

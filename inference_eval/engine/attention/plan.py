@@ -18,6 +18,12 @@ class AttentionPlan(Protocol):
         [T, heads, d]. `cache` is a KVCache or None for cacheless layouts."""
         ...
 
+    def attend_latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor, cache,
+                      v_dim: int, scale: float) -> torch.Tensor:
+        """Multi-head latent attention (DeepSeek, absorbed form): append latent rows
+        [T, 1, D] to `cache` and attend; q [T, heads, D] -> [T, heads, v_dim] (mla_torch.py)."""
+        ...
+
 
 class AttentionBackend(Protocol):
     name: str

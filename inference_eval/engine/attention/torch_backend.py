@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_eval.engine.attention.layout import BatchLayout, page_slots
+from inference_eval.engine.attention.mla_torch import torch_attend_latent
 
 
 # The fixed cost of one more SDPA group, in padded key rows (one key row of one request): a
@@ -140,6 +141,12 @@ class TorchAttentionPlan:
             keys = k.index_select(0, self.self_gather).view(b, mk, kvh, d)
             vals = v.index_select(0, self.self_gather).view(b, mk, kvh, d)
         return self._sdpa(q, keys, vals)
+
+    def attend_latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor, cache,
+                      v_dim: int, scale: float) -> torch.Tensor:
+        """MLA (absorbed): q [T, heads, D], latent rows [T, 1, D] -> [T, heads, v_dim]; the
+        latent rows are keys and (first v_dim columns) values. See mla_torch.py."""
+        return torch_attend_latent(self, layer, q, latent, cache, v_dim, scale)
 
     def _attend_gathered(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                          kvh: int) -> torch.Tensor:
