@@ -24,7 +24,7 @@
 #   quick (default) DATA=sharegpt, 80 conversations (65 kept, 42k tokens), 150 steps, K=2,
 #                   1 prompt per category (12); 8m10s on 2 CPU cores (measured).
 #   long            DATA=distill: 1500 prompts answered (160 tokens, batches of 64),
-#                   1000 steps, chain K=2, K=4 and an EAGLE-2 tree on 2 prompts per
+#                   1000 steps, chains of K=1, 2, 4 and an EAGLE-2 tree on 2 prompts per
 #                   category (the target's own greedy text is what greedy evaluation
 #                   scores: ShareGPT's text raised held-out ShareGPT top-1, not real τ);
 #                   1h45m on 2 CPU cores (measured: distill 48 min, precompute 15,
@@ -85,7 +85,7 @@ $PY -m train target=smollm2 head=mtp "data.shards='$(IFS=,; echo "${shards[*]}")
 ck="$H/checkpoints/best"
 drafts="[{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K}]"
 if [ "$PRESET" = long ]; then
-  drafts="[{kind:head,checkpoint:$ck,name:chain2,num_draft:2},{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree,depth:4,topk:4,total_tokens:12}]"
+  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain2,num_draft:2},{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree,depth:4,topk:4,total_tokens:12}]"
 elif [ "$PRESET" = gpu ]; then
   drafts="[{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree}]"
 fi
