@@ -29,7 +29,7 @@ from inference_eval.engine.model.arch import ModelArch
 from inference_eval.engine.target import frozen_hash, iter_safetensors
 from heads.formats.bundle import (HeadBundle, cfg_from_stamp, check_compatible, head_stamp,
                                  read_config, refuse_unused, target_stamp)
-from heads.formats.layer_names import has_moe_tensors, layer_from_hf, layer_to_hf
+from heads.formats.layer_names import layer_from_hf, layer_to_hf
 
 NAME = "deepseek_mtp"
 HEAD_TYPES = ("mtp",)
@@ -128,8 +128,8 @@ def read(path: Path) -> HeadBundle:
                          "save_pretrained drops layer {L}; so do some hub conversions): "
                          .replace("{L}", str(L)) + _NO_MTP_FIX.format(L=L))
     state = {ours: t.pop(prefix + theirs) for ours, theirs in _OWN.items()}
-    moe = has_moe_tensors(t, prefix)  # DeepSeek-V3/R1's own MTP layer routes experts
     state.update(layer_from_hf(t, prefix, "layer.", arch, src))
+    moe = "layer.mlp.experts.gate_up_proj" in state  # DeepSeek-V3/R1's own layer routes experts
     embed = t.pop(prefix + "embed_tokens.weight", None)
     head = t.pop(prefix + "shared_head.head.weight", None)
     refuse_unused(t, src, NAME)

@@ -73,7 +73,7 @@ def deepseek_layer_leaves(arch: ModelArch, fused_experts: bool = False) -> tuple
     return attn + router + experts + shared
 
 
-def has_moe_tensors(tensors, hf_prefix: str) -> bool:
+def _has_moe_tensors(tensors, hf_prefix: str) -> bool:
     """Whether the layer under `hf_prefix` holds a mixture-of-experts MLP."""
     return any(n.startswith(hf_prefix) and n[len(hf_prefix):].startswith(_MOE_PREFIXES)
                for n in tensors)
@@ -155,8 +155,8 @@ def _deepseek_layer_from_hf(tensors: dict[str, torch.Tensor], hf_prefix: str, ou
     """Loads the layer through the target's own adapter (load_hf_tensors), so every tensor
     of our layer must be present and of its shape; a missing one is named by its HF name.
     `arch` is the target's: the layer is an MoE layer with its experts when the tensors hold
-    one (has_moe_tensors), else dense."""
-    moe = has_moe_tensors(tensors, hf_prefix)
+    one (_has_moe_tensors), else dense."""
+    moe = _has_moe_tensors(tensors, hf_prefix)
     if moe and arch.n_routed_experts == 0:
         raise ValueError(f"{source}: the layer under {hf_prefix!r} has a mixture-of-experts MLP, "
                          "but the target's config declares no routed experts (n_routed_experts "

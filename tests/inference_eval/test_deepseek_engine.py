@@ -89,9 +89,8 @@ def test_flashinfer_mla_refuses_a_cacheless_pass_naming_the_fix(v3):
     """FlashInfer's MLA kernel reads a paged latent cache; a cacheless (packed) pass is
     refused by name (the GPU paths themselves: test_flashinfer_mla.py)."""
     from inference_eval.engine.attention.flashinfer_backend import FlashInferPlan
-    from inference_eval.engine.attention.mla_torch import mla_attend
 
     plan = object.__new__(FlashInferPlan)  # no CUDA needed: the refusal precedes any kernel
     q, lat = torch.zeros(2, 4, 40), torch.zeros(2, 1, 40)
     with pytest.raises(NotImplementedError, match="FlashInfer MLA"):
-        mla_attend(plan, 0, q, lat, None, 32, 0.1)
+        plan.attend_latent(0, q, lat, None, 32, 0.1)

@@ -15,7 +15,6 @@ import torch
 from inference_eval.engine.attention.flashinfer_backend import FlashInferBackend, available
 from inference_eval.engine.attention.flashinfer_mla import mla_paged_metadata
 from inference_eval.engine.attention.layout import BatchLayout
-from inference_eval.engine.attention.mla_torch import mla_attend
 from inference_eval.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan
 from inference_eval.engine.kv_cache import KVCache
 
@@ -93,7 +92,7 @@ def test_torch_attend_latent_is_bit_identical_to_old_mla_attend(case):
     old_plan = TorchAttentionPlan(layout, torch.device("cpu"))
     for layer in range(2):
         q, lat = _qkv(layout.num_tokens, heads, d, torch.float32, seed=layer)
-        got = mla_attend(new_plan, layer, q, lat, new_cache, r, scale)
+        got = new_plan.attend_latent(layer, q, lat, new_cache, r, scale)
         want = _old_mla_attend(old_plan, layer, q, lat, old_cache, r, scale)
         assert got.shape == (layout.num_tokens, heads, r)
         assert torch.equal(got, want)

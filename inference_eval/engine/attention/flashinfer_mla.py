@@ -136,13 +136,13 @@ class FlashInferMLA:
             raise ValueError(f"FlashInfer MLA needs latent rows [T, 1, {d}] and a cache of "
                              f"one {d}-wide row per token, got latent {tuple(latent.shape)} "
                              f"and cache rows {tuple(kc.shape[2:])}")
-        check_mla_dims(v_dim, d - v_dim)
+        # Planned (and its dims checked) before the append, so a refusal leaves the cache as is.
+        wrapper = self._ensure_planned(heads, v_dim, d - v_dim, scale, q.dtype, kc.dtype)
         rows = latent.reshape(t, d)
         kc.view(-1, d).index_copy_(0, self.plan.slots, rows)
         if vc is not kc:  # a K/V cache given MLA rows: keep it as the torch path leaves it
             vc.view(-1, d).index_copy_(0, self.plan.slots, rows)
         paged = kc.view(kc.shape[0], kc.shape[1], d)
-        wrapper = self._ensure_planned(heads, v_dim, d - v_dim, scale, q.dtype, kc.dtype)
         return wrapper.run(q[..., :v_dim], q[..., v_dim:], paged[..., :v_dim], paged[..., v_dim:])
 
     def _ensure_planned(self, heads: int, ckv: int, kpe: int, scale: float, q_dtype, kv_dtype):
@@ -153,6 +153,7 @@ class FlashInferMLA:
         sig = (self.plan.id, heads, ckv, kpe, scale, q_dtype, kv_dtype)
         if backend._owner.get(MLA_KEY) == sig:
             return wrapper
+        check_mla_dims(ckv, kpe)
         m = self.meta
         wrapper.plan(m["qo_indptr"], m["kv_indptr"], m["kv_indices"], m["kv_len_arr"], heads,
                      ckv, kpe, self.plan.layout.page_size, True, scale, q_dtype, kv_dtype)

@@ -4,7 +4,7 @@ After absorption (model/mla.py) a DeepSeek layer's attention is MQA: queries [T,
 against one shared key row per token [c_kv ; k_pe] (D = kv_lora_rank + qk_rope_head_dim)
 whose values are the row's first kv_lora_rank columns. Every attention plan answers this
 call with its own `attend_latent(layer, q, latent, cache, v_dim, scale)` (one interface per
-role; FlashInfer's lives in flashinfer_mla.py); `mla_attend` is the model's entry to it.
+role; FlashInfer's lives in flashinfer_mla.py): the model's StepContext calls it.
 
 The torch plan's version (`torch_attend_latent`, here) reuses its ordinary `attend`: paged
 append + gather + SDPA with one kv head, handed the latent rows as both keys and values (a
@@ -21,16 +21,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-
-def mla_attend(plan, layer: int, q: torch.Tensor, latent: torch.Tensor, cache,
-               v_dim: int, scale: float) -> torch.Tensor:
-    """q [T, heads, D], latent [T, 1, D] (this step's cache rows) -> [T, heads, v_dim], on
-    whichever backend made `plan` (its `attend_latent`).
-
-    `cache`: a KVCache (a latent one from KVCache.for_arch, or any whose rows are D wide) or
-    None for cacheless layouts."""
-    return plan.attend_latent(layer, q, latent, cache, v_dim, scale)
 
 
 def torch_attend_latent(plan, layer: int, q: torch.Tensor, latent: torch.Tensor, cache,

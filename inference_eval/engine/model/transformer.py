@@ -7,7 +7,6 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from inference_eval.engine.attention.mla_torch import mla_attend
 from inference_eval.engine.attention.plan import AttentionPlan
 from inference_eval.engine.kv_cache import KVCache
 from inference_eval.engine.model.arch import ModelArch
@@ -41,7 +40,7 @@ class StepContext:
     def attend_latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int,
                       scale: float) -> torch.Tensor:
         """MLA: q [T, heads, D], latent rows [T, 1, D] -> [T, heads, v_dim]."""
-        return mla_attend(self.plan, layer, q, latent, self.cache, v_dim, scale)
+        return self.plan.attend_latent(layer, q, latent, self.cache, v_dim, scale)
 
 
 class TransformerLM(nn.Module):
