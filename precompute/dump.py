@@ -6,13 +6,13 @@ computes at serving time.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Callable, Sequence
 
 import torch
 
 from inference_eval.engine.attention import AttentionBackend, BatchLayout
 from inference_eval.engine.model.transformer import TransformerLM
+from inference_eval.engine.threads import torch_threads
 from precompute.data import TokenizedRecord
 from precompute.plan import plan_batches
 from precompute.shard_io import Shard, quantize_fp8
@@ -20,15 +20,7 @@ from precompute.shard_io import Shard, quantize_fp8
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-@contextmanager
-def _torch_threads(n: int | None):
-    prev = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
+_torch_threads = torch_threads  # module-level, so bench_precompute's threads check can swap it
 
 
 @torch.inference_mode()

@@ -25,6 +25,7 @@ from inference_eval.engine.prompt_encoding import encode_prompt
 from inference_eval.engine.request import Request
 from inference_eval.engine.sampling import SamplingParams, SamplingTensors, sample
 from inference_eval.engine.scheduler import ScheduledBatch, Scheduler
+from inference_eval.engine.threads import torch_threads
 
 
 @dataclass
@@ -119,15 +120,8 @@ class LLMEngine:
         With the CPU BLAS path, OpenBLAS runs the one-row GEMMs on its own threads; torch's
         OpenMP pool spinning beside it halves decode speed (measured), and the remaining
         torch ops are tiny at decode."""
-        if not self.cpu_blas:
+        with torch_threads(1 if self.cpu_blas else None):
             yield
-            return
-        prev = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(prev)
 
     def _step(self) -> list[Request]:
         t0 = time.perf_counter()

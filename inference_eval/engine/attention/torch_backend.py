@@ -26,13 +26,12 @@ call per layer does not contend with OpenBLAS the way many small ops do.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 
 from inference_eval.engine.attention.layout import BatchLayout, page_slots
 from inference_eval.engine.attention.mla_torch import torch_attend_latent
+from inference_eval.engine.threads import torch_threads
 
 
 # The fixed cost of one more SDPA group, in padded key rows (one key row of one request): a
@@ -183,7 +182,7 @@ class TorchAttentionPlan:
         for s, e in self.causal_spans:
             # [1, heads, n, d] views of the packed rows; SDPA returns a new [1, heads, n, d].
             qs, ks, vs = (x[s:e].unsqueeze(0).transpose(1, 2) for x in (q, k, v))
-            with _threads(self.threads if e - s >= LONG_ROWS else None):
+            with torch_threads(self.threads if e - s >= LONG_ROWS else None):
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
                                                    enable_gqa=heads != kvh)
             out[s:e] = o[0].transpose(0, 1)
@@ -217,20 +216,6 @@ class TorchAttentionPlan:
         if self.dense_q:
             return out.reshape(t, heads, d)
         return out.reshape(b * mq, heads, d).index_select(0, self.q_rows)
-
-
-@contextmanager
-def _threads(n: int | None):
-    """torch's intra-op threads set to n for the block (None or the current count: as is)."""
-    prev = torch.get_num_threads()
-    if n is None or n == prev:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
 
 
 def _contiguous_span(layout: BatchLayout) -> tuple[int, int] | None:

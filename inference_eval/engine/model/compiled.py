@@ -31,6 +31,7 @@ from torch import nn
 
 from inference_eval.engine.attention.layout import BatchLayout
 from inference_eval.engine.attention.torch_backend import TorchAttentionPlan
+from inference_eval.engine.threads import torch_threads
 
 # Inductor settings, applied around every call (a compile happens lazily inside one; passed
 # as torch.compile(options=...) freezing is not applied): freezing turns weights into
@@ -153,17 +154,12 @@ class _RowCompiled:
             fn = self._fns[variant] = torch.compile(
                 self.graph(self.module, variant), dynamic=False, fullgraph=True,
                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-        prev = torch.get_num_threads()
-        if prev != self.threads:
-            torch.set_num_threads(self.threads)
         _ACTIVE.append(ctx)
         try:
-            with inductor_config.patch(INDUCTOR_CONFIG):
+            with torch_threads(self.threads), inductor_config.patch(INDUCTOR_CONFIG):
                 return fn(*args, ctx.cos, ctx.sin)
         finally:
             _ACTIVE.pop()
-            if prev != self.threads:
-                torch.set_num_threads(prev)
 
     def warm(self, rows: Iterable[int], variant: tuple[int, ...] = ()) -> None:
         """Compile the given row counts (at most max_rows) now, each with a throwaway causal
