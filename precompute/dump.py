@@ -20,9 +20,6 @@ from precompute.shard_io import Shard, quantize_fp8
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-_torch_threads = torch_threads  # module-level, so bench_precompute's threads check can swap it
-
-
 @torch.inference_mode()
 def build_shard(model: TransformerLM, backend: AttentionBackend, records: Sequence[TokenizedRecord],
                 *, batch_tokens: int, aux_layers: Sequence[int], hidden_dtype: str,
@@ -49,7 +46,7 @@ def build_shard(model: TransformerLM, backend: AttentionBackend, records: Sequen
     # torch at 1 thread vs 89 at 2 (bench_precompute.py --threads-check 8; 186 vs 112 on 16
     # chats). So torch gets one thread here, as in LLMEngine.step; the GEMMs, most of the
     # work, still run on every core.
-    with _torch_threads(1 if model.cpu_blas and device.type == "cpu" else None):
+    with torch_threads(1 if model.cpu_blas and device.type == "cpu" else None):
         for batch in plan_batches(range(len(records)), lengths, batch_tokens):
             ids = torch.tensor([t for i in batch for t in records[i].input_ids],
                                dtype=torch.long, device=device)

@@ -98,13 +98,13 @@ def threads_check(model, records, batch_tokens: int) -> dict[str, float]:
     res = {}
     tokens = sum(len(r.input_ids) for r in records)
     for label in ("torch_threads_1", f"torch_threads_{torch.get_num_threads()}"):
-        keep = dump._torch_threads
+        keep = dump.torch_threads
         if label != "torch_threads_1":
-            dump._torch_threads = lambda n: contextlib.nullcontext()
+            dump.torch_threads = lambda n: contextlib.nullcontext()
         try:
             secs, _ = ours(model, records, batch_tokens)
         finally:
-            dump._torch_threads = keep
+            dump.torch_threads = keep
         res[label] = round(tokens / secs, 1)
     return res
 

@@ -74,12 +74,10 @@ class TorchAttentionPlan:
         self.dense_q = self.max_q == 1 or b == 1
         rows = [bi * self.max_q + i for bi, q in enumerate(q_lens) for i in range(q)]
         self.q_rows = torch.tensor(rows, dtype=torch.long, device=device)
-        self.is_causal_only = False
         self.groups = None
         self.kv_span = None  # (first slot, kv_len) when the keys are one contiguous run
         # Packed row spans of fresh whole sequences (module docstring), else None.
-        fresh = (self.max_q > 1 and layout.tree_masks is None
-                 and all(q == kv for q, kv in zip(q_lens, kv_lens)))
+        fresh = layout.tree_masks is None and all(q == kv for q, kv in zip(q_lens, kv_lens))
         self.causal_spans = list(zip(cu[:-1], cu[1:])) if fresh else None
         if fresh:
             self.slots = layout.slot_mapping(device) if self.cached else None
@@ -101,13 +99,13 @@ class TorchAttentionPlan:
                 self.kv_gather = gather.view(-1).to(device)
         else:
             self.kv_gather = None
-            # Cacheless keys are the step's own tokens; key j of request b is packed row cu[b]+j.
+            # Cacheless (tree-masked: others are fresh) keys are the step's own tokens; key j
+            # of request b is packed row cu[b]+j.
             gather = torch.zeros(b, self.max_kv, dtype=torch.long)
             for bi, kv in enumerate(kv_lens):
                 gather[bi, :kv] = torch.arange(cu[bi], cu[bi] + kv)
             self.self_gather = gather.view(-1).to(device)
-            self.is_causal_only = b == 1 and layout.tree_masks is None
-        mask = None if self.is_causal_only else self._mask(layout)
+        mask = self._mask(layout)
         self.mask = None if mask is None else mask.to(device)
 
     @staticmethod
@@ -161,11 +159,9 @@ class TorchAttentionPlan:
             return self._attend_gathered(q, kc, vc, kvh)
         if self.causal_spans is not None:
             return self._attend_causal(q, k, v)
-        if self.is_causal_only:
-            keys, vals = k.unsqueeze(0), v.unsqueeze(0)
-        else:
-            keys = k.index_select(0, self.self_gather).view(b, mk, kvh, d)
-            vals = v.index_select(0, self.self_gather).view(b, mk, kvh, d)
+        # Cacheless and not fresh: whole sequences under tree masks.
+        keys = k.index_select(0, self.self_gather).view(b, mk, kvh, d)
+        vals = v.index_select(0, self.self_gather).view(b, mk, kvh, d)
         return self._sdpa(q, keys, vals)
 
     def attend_latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor, cache,
@@ -211,7 +207,7 @@ class TorchAttentionPlan:
             qp = q.new_zeros(b * mq, heads, d).index_copy_(0, self.q_rows, q).view(b, mq, heads, d)
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-            attn_mask=self.mask, is_causal=self.is_causal_only, enable_gqa=heads != kvh)
+            attn_mask=self.mask, enable_gqa=heads != kvh)
         out = out.transpose(1, 2)  # [B, max_q, heads, d]
         if self.dense_q:
             return out.reshape(t, heads, d)
