@@ -89,7 +89,7 @@ def test_torch_attend_latent_is_bit_identical_to_old_mla_attend(case):
     new_cache = _latent_cache(2, 80, layout.page_size, d, torch.float32) if cached else None
     old_cache = copy.deepcopy(new_cache)
     new_plan = TorchAttentionBackend().plan(layout)
-    old_plan = TorchAttentionPlan(layout, torch.device("cpu"))
+    old_plan = TorchAttentionBackend().plan(layout)  # the same kernel choice (cpu_paged)
     for layer in range(2):
         q, lat = _qkv(layout.num_tokens, heads, d, torch.float32, seed=layer)
         got = new_plan.attend_latent(layer, q, lat, new_cache, r, scale)

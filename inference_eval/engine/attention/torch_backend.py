@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from inference_eval.engine.attention import cpu_paged
 from inference_eval.engine.attention.layout import BatchLayout, page_slots
 from inference_eval.engine.attention.mla_torch import torch_attend_latent
 from inference_eval.engine.threads import torch_threads
@@ -62,30 +63,45 @@ def kv_groups(kv_lens: list[int], group_cost: int = GROUP_COST) -> list[list[int
 
 class TorchAttentionPlan:
     def __init__(self, layout: BatchLayout, device: torch.device, grouped: bool = True,
-                 threads: int | None = None) -> None:
-        self.layout, self.threads = layout, threads
+                 threads: int | None = None, paged_kernel: bool = False) -> None:
+        self.layout, self.threads, self.grouped = layout, threads, grouped
+        self.device = torch.device(device)
         self.num_tokens = layout.num_tokens
         self.positions = layout.position_tensor(device)
         b, q_lens, kv_lens = len(layout.q_lens), layout.q_lens, layout.kv_lens
         self.batch, self.max_q, self.max_kv = b, max(q_lens), max(kv_lens)
         self.cached = layout.block_tables is not None
-        # Query rows: packed token t sits at padded row q_rows[t] of a [B * max_q] buffer.
         cu = layout.cu_q()
-        self.dense_q = self.max_q == 1 or b == 1
-        rows = [bi * self.max_q + i for bi, q in enumerate(q_lens) for i in range(q)]
-        self.q_rows = torch.tensor(rows, dtype=torch.long, device=device)
         self.groups = None
         self.kv_span = None  # (first slot, kv_len) when the keys are one contiguous run
+        self.paged = None  # (block tables, cu_q, kv_lens) tensors for cpu_paged's kernel
+        self.gathered = False  # the gather / mask / group fields below are planned
         # Packed row spans of fresh whole sequences (module docstring), else None.
         fresh = layout.tree_masks is None and all(q == kv for q, kv in zip(q_lens, kv_lens))
         self.causal_spans = list(zip(cu[:-1], cu[1:])) if fresh else None
+        self.slots = layout.slot_mapping(device) if self.cached else None
+        self.mask = None
         if fresh:
-            self.slots = layout.slot_mapping(device) if self.cached else None
-            self.mask = None
             return
+        if (paged_kernel and self.cached and layout.tree_masks is None
+                and self.max_q <= cpu_paged.SMALL_Q and (b > 1 or self.max_q == 1)
+                and cpu_paged.kernel() is not None):  # built on first use, once
+            self.paged = _paged_tables(layout, device)
+            return
+        self._plan_gathered()
+
+    def _plan_gathered(self) -> None:
+        """The general path's plan: padded query rows, kv gathers (or a contiguous span, or
+        groups of similar length) and the mask."""
+        layout, device = self.layout, self.device
+        b, q_lens, kv_lens, cu = self.batch, layout.q_lens, layout.kv_lens, layout.cu_q()
+        self.gathered = True
+        # Query rows: packed token t sits at padded row q_rows[t] of a [B * max_q] buffer.
+        self.dense_q = self.max_q == 1 or b == 1
+        rows = [bi * self.max_q + i for bi, q in enumerate(q_lens) for i in range(q)]
+        self.q_rows = torch.tensor(rows, dtype=torch.long, device=device)
         if self.cached:
-            self.slots = layout.slot_mapping(device)
-            groups = kv_groups(kv_lens) if grouped and b > 1 else [list(range(b))]
+            groups = kv_groups(kv_lens) if self.grouped and b > 1 else [list(range(b))]
             if len(groups) > 1:  # each group plans its own gather and mask; none padded here
                 self.groups = [(self._token_rows(g, cu, device),
                                 TorchAttentionPlan(_sub_layout(layout, g), device, grouped=False))
@@ -151,6 +167,12 @@ class TorchAttentionPlan:
             vc.index_copy_(0, self.slots, v.reshape(t, kvh * d))
             if self.causal_spans is not None:
                 return self._attend_causal(q, k, v)
+            if self.paged is not None:
+                if q.dtype == torch.float32 and q.device.type == "cpu":
+                    return cpu_paged.paged_attention(q, kc.view(-1, kvh, d), vc.view(-1, kvh, d),
+                                                     *self.paged, self.layout.page_size)
+                if not self.gathered:  # another dtype than the kernel's: the general path
+                    self._plan_gathered()
             if self.groups is not None:
                 out = q.new_empty(t, heads, d)
                 for rows, sub in self.groups:
@@ -224,6 +246,17 @@ def _contiguous_span(layout: BatchLayout) -> tuple[int, int] | None:
     return pages[0] * ps, kv
 
 
+def _paged_tables(layout: BatchLayout, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cpu_paged's inputs: block tables [B, max pages] int64 (the pages holding each
+    request's kv_len keys, zero-padded), cu_q [B + 1], kv_lens [B]."""
+    ps, kv_lens = layout.page_size, layout.kv_lens
+    tables = [t[:-(-kv // ps)] for t, kv in zip(layout.block_tables, kv_lens)]
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    return (padded.to(device), torch.tensor(layout.cu_q(), dtype=torch.long, device=device),
+            torch.tensor(kv_lens, dtype=torch.long, device=device))
+
+
 def _sub_layout(layout: BatchLayout, group: list[int]) -> BatchLayout:
     """The layout of a subset of a step's requests (positions stay the parent's: rope is
     applied before attention, from the parent plan)."""
@@ -237,7 +270,11 @@ class TorchAttentionBackend:
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        self.threads = torch.get_num_threads() if self.device.type == "cpu" else None
+        cpu = self.device.type == "cpu"
+        self.threads = torch.get_num_threads() if cpu else None
+        # Decode-like fp32 steps on CPU run cpu_paged's kernel (where it can be built).
+        self.paged_kernel = cpu
 
     def plan(self, layout: BatchLayout) -> TorchAttentionPlan:
-        return TorchAttentionPlan(layout, self.device, threads=self.threads)
+        return TorchAttentionPlan(layout, self.device, threads=self.threads,
+                                  paged_kernel=self.paged_kernel)

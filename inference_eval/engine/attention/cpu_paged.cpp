@@ -1,0 +1,158 @@
+// Causal attention of a few new query rows per request over its pages of the KV cache, on
+// CPU, fp32: no gather of the history, no padding to the longest request, no mask tensor.
+// See cpu_paged.py for why it exists and when the torch backend calls it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SPECHEADS_AVX2 1
+#endif
+
+namespace {
+
+// s[g] = <q[g], k> for g < G; q rows D apart.
+inline void dots(const float* q, const float* k, int64_t G, int64_t D, float* s) {
+#ifdef SPECHEADS_AVX2
+  if (D % 8 == 0) {
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {  // four rows at a time share each k load
+      const int64_t gn = std::min<int64_t>(4, G - g0);
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                       _mm256_setzero_ps()};
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 kv = _mm256_loadu_ps(k + d);
+        for (int64_t g = 0; g < gn; ++g)
+          acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + g) * D + d), kv, acc[g]);
+      }
+      for (int64_t g = 0; g < gn; ++g) {
+        __m128 x = _mm_add_ps(_mm256_castps256_ps128(acc[g]), _mm256_extractf128_ps(acc[g], 1));
+        x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+        x = _mm_add_ss(x, _mm_movehdup_ps(x));
+        s[g0 + g] = _mm_cvtss_f32(x);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g) {
+    float t = 0.f;
+    for (int64_t d = 0; d < D; ++d) t += q[g * D + d] * k[d];
+    s[g] = t;
+  }
+}
+
+// a[g] += p[g] * v for g < G; a rows D apart.
+inline void axpys(const float* p, const float* v, int64_t G, int64_t D, float* a) {
+#ifdef SPECHEADS_AVX2
+  if (D % 8 == 0) {
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 vv = _mm256_loadu_ps(v + d);
+      for (int64_t g = 0; g < G; ++g) {
+        float* ag = a + g * D + d;
+        _mm256_storeu_ps(ag, _mm256_fmadd_ps(_mm256_set1_ps(p[g]), vv, _mm256_loadu_ps(ag)));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) a[g * D + d] += p[g] * v[d];
+}
+
+constexpr int64_t kAhead = 4;  // keys ahead whose rows are prefetched (pages sit anywhere)
+
+inline void prefetch(const float* p, int64_t n) {
+  for (int64_t x = 0; x < n; x += 16) __builtin_prefetch(p + x);
+}
+
+}  // namespace
+
+// q [T, H, D] packed rows (request b owns rows cu_q[b] .. cu_q[b+1]); k_cache / v_cache
+// [S, KVH, D] (S = pages * page_size, slot = page * page_size + offset); block_tables [B, P]
+// int64 page ids; kv_lens [B] (keys in the cache after this step's rows were appended).
+// Query row i of request b (q_len rows) sees keys 0 .. kv_len - q_len + i. -> [T, H, D].
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor cu_q,
+                              torch::Tensor kv_lens, int64_t page_size, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
+                  v_cache.scalar_type() == torch::kFloat32,
+              "paged_attention: fp32 only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  block_tables.is_contiguous() && cu_q.is_contiguous() && kv_lens.is_contiguous(),
+              "paged_attention: contiguous inputs only");
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D, "paged_attention: head shapes disagree");
+  const int64_t G = H / KVH, B = kv_lens.size(0), P = block_tables.size(1);
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* cu = cu_q.data_ptr<int64_t>();
+  const int64_t* kl = kv_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // A task is one request's kv heads [h0, h0 + hs): every head (hs = KVH) when there are
+  // requests enough to keep the threads busy, so each key and value row is read whole and
+  // in order; one kv head per task otherwise (batch 1 still splits over the threads).
+  const int64_t hs = B >= 2 * at::get_num_threads() ? KVH : 1;
+  const int64_t HS = hs * G;  // query heads per task and query row
+  auto slot_of = [&](int64_t b, int64_t j) {
+    return bt[b * P + j / page_size] * page_size + j % page_size;
+  };
+  at::parallel_for(0, B * (KVH / hs), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (KVH / hs), h0 = task % (KVH / hs) * hs;
+      const int64_t q0 = cu[b], nq = cu[b + 1] - cu[b], n = kl[b], ctx = n - nq;
+      const int64_t R = nq * HS;  // row r = i * HS + (h - h0) * G + g
+      // scores[j * R + r]: key j's scores for every row, adjacent; 0 where j is not visible.
+      scores.assign(n * R, 0.f);
+      acc.assign(R * D, 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* krow = kp + (slot_of(b, j) * KVH + h0) * D;
+        if (j + kAhead < n) prefetch(kp + (slot_of(b, j + kAhead) * KVH + h0) * D, hs * D);
+        for (int64_t i = std::max<int64_t>(0, j - ctx); i < nq; ++i)
+          for (int64_t h = 0; h < hs; ++h)
+            dots(qp + ((q0 + i) * H + (h0 + h) * G) * D, krow + h * D, G, D,
+                 scores.data() + j * R + i * HS + h * G);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t visible = ctx + r / HS + 1;
+        float m = neg_inf;
+        for (int64_t j = 0; j < visible; ++j) m = std::max(m, scores[j * R + r]);
+        float sum = 0.f;
+        for (int64_t j = 0; j < visible; ++j) {
+          const float e = std::exp((scores[j * R + r] - m) * sc);
+          scores[j * R + r] = e;
+          sum += e;
+        }
+        const float inv = 1.f / sum;
+        for (int64_t j = 0; j < visible; ++j) scores[j * R + r] *= inv;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vrow = vp + (slot_of(b, j) * KVH + h0) * D;
+        if (j + kAhead < n) prefetch(vp + (slot_of(b, j + kAhead) * KVH + h0) * D, hs * D);
+        for (int64_t i = std::max<int64_t>(0, j - ctx); i < nq; ++i)
+          for (int64_t h = 0; h < hs; ++h)
+            axpys(scores.data() + j * R + i * HS + h * G, vrow + h * D, G, D,
+                  acc.data() + (i * HS + h * G) * D);
+      }
+      for (int64_t i = 0; i < nq; ++i)
+        std::copy_n(acc.data() + i * HS * D, HS * D, op + ((q0 + i) * H + h0 * G) * D);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "causal attention of packed query rows over paged fp32 KV (CPU)");
+}
