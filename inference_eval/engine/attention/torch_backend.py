@@ -23,6 +23,11 @@ thread): the masked form of 4 x 1000 tokens 213 ms per layer vs 142 causal, 69 o
 These long calls run on the backend's thread count (torch's setting when it was built):
 the engine and precompute keep torch at 1 thread inside CPU-BLAS steps, but one long SDPA
 call per layer does not contend with OpenBLAS the way many small ops do.
+
+Decode-like fp32 steps on CPU (every request with at most cpu_paged.SMALL_Q new rows, no
+tree mask, several requests or a single row) skip all of the above: cpu_paged's kernel reads
+each request's keys and values once from its pages, with no gather, padding or mask
+(cpu_paged.py has the measurements). Other dtypes fall back to the general path.
 """
 from __future__ import annotations
 
@@ -85,7 +90,7 @@ class TorchAttentionPlan:
             return
         if (paged_kernel and self.cached and layout.tree_masks is None
                 and self.max_q <= cpu_paged.SMALL_Q and (b > 1 or self.max_q == 1)
-                and cpu_paged.kernel() is not None):  # built on first use, once
+                and cpu_paged.kernel() is not None):
             self.paged = _paged_tables(layout, device)
             return
         self._plan_gathered()
@@ -272,8 +277,9 @@ class TorchAttentionBackend:
         self.device = torch.device(device)
         cpu = self.device.type == "cpu"
         self.threads = torch.get_num_threads() if cpu else None
-        # Decode-like fp32 steps on CPU run cpu_paged's kernel (where it can be built).
-        self.paged_kernel = cpu
+        # Decode-like fp32 steps on CPU run cpu_paged's kernel where it can be built; built
+        # (once per machine) or loaded here, so that no timed step ever pays for it.
+        self.paged_kernel = cpu and cpu_paged.kernel() is not None
 
     def plan(self, layout: BatchLayout) -> TorchAttentionPlan:
         return TorchAttentionPlan(layout, self.device, threads=self.threads,
