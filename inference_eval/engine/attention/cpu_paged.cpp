@@ -76,12 +76,20 @@ inline void prefetch(const float* p, int64_t n) {
 // [S, KVH, D] (S = pages * page_size, slot = page * page_size + offset); block_tables [B, P]
 // int64 page ids; kv_lens [B] (keys in the cache after this step's rows were appended).
 // Query row i of request b (q_len rows) sees keys 0 .. kv_len - q_len + i. -> [T, H, D].
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+// k_new / v_new [T, KVH, D] are this step's rows, written first to their slots [T].
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
+                              torch::Tensor slots, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor cu_q,
                               torch::Tensor kv_lens, int64_t page_size, double scale) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
                   v_cache.scalar_type() == torch::kFloat32,
               "paged_attention: fp32 only");
+  TORCH_CHECK(k_new.scalar_type() == torch::kFloat32 && v_new.scalar_type() == torch::kFloat32,
+              "paged_attention: fp32 only");
+  TORCH_CHECK(k_new.is_contiguous() && v_new.is_contiguous() && slots.is_contiguous() &&
+                  k_new.sizes() == v_new.sizes() && k_new.size(0) == slots.size(0) &&
+                  k_new.size(1) == k_cache.size(1) && k_new.size(2) == k_cache.size(2),
+              "paged_attention: new rows must be contiguous [T, kv_heads, head_dim], one slot each");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   block_tables.is_contiguous() && cu_q.is_contiguous() && kv_lens.is_contiguous(),
               "paged_attention: contiguous inputs only");
@@ -96,6 +104,16 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t* cu = cu_q.data_ptr<int64_t>();
   const int64_t* kl = kv_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
+  {  // append: one row of KVH * D floats per new token (a latent cache writes k twice)
+    const int64_t row = k_cache.size(1) * D;
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    float* kw = k_cache.data_ptr<float>();
+    float* vw = v_cache.data_ptr<float>();
+    for (int64_t t = 0; t < slots.size(0); ++t) {
+      std::copy_n(k_new.data_ptr<float>() + t * row, row, kw + sl[t] * row);
+      std::copy_n(v_new.data_ptr<float>() + t * row, row, vw + sl[t] * row);
+    }
+  }
   const float sc = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 

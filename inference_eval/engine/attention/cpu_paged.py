@@ -42,11 +42,13 @@ def kernel():
         return None
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, cu_q: torch.Tensor, kv_lens: torch.Tensor,
-                    page_size: int) -> torch.Tensor:
-    """q [T, heads, d] fp32; k_cache / v_cache [slots, kv_heads, d] (already holding this
-    step's rows); block_tables [B, max_pages] int64; cu_q [B + 1]; kv_lens [B] ->
-    [T, heads, d], query row i of a request with q_len rows seeing keys < kv_len - q_len + i + 1."""
-    return kernel().paged_attention(q.contiguous(), k_cache, v_cache, block_tables, cu_q,
-                                    kv_lens, page_size, q.shape[-1] ** -0.5)
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    cu_q: torch.Tensor, kv_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Append k / v [T, kv_heads, d] at flat slots [T] of k_cache / v_cache [slots, kv_heads,
+    d], then attend: q [T, heads, d] fp32, block_tables [B, max_pages] int64, cu_q [B + 1],
+    kv_lens [B] -> [T, heads, d], query row i of a request with q_len rows seeing keys
+    < kv_len - q_len + i + 1."""
+    return kernel().paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), slots,
+                                    k_cache, v_cache, block_tables, cu_q, kv_lens, page_size,
+                                    q.shape[-1] ** -0.5)

@@ -166,18 +166,20 @@ class TorchAttentionPlan:
         b, mk = self.batch, self.max_kv
         if self.cached:
             kc, vc = cache.layer(layer)
+            if self.paged is not None:
+                if q.dtype == kc.dtype == torch.float32 and q.device.type == "cpu":
+                    # The kernel appends this step's rows itself.
+                    return cpu_paged.paged_attention(q, k, v, self.slots, kc.view(-1, kvh, d),
+                                                     vc.view(-1, kvh, d), *self.paged,
+                                                     self.layout.page_size)
+                if not self.gathered:  # another dtype than the kernel's: the general path
+                    self._plan_gathered()
             # 2-D row views: index ops on [slots, kvh * d] run ~2x faster than on 3-D.
             kc, vc = kc.view(-1, kvh * d), vc.view(-1, kvh * d)
             kc.index_copy_(0, self.slots, k.reshape(t, kvh * d))
             vc.index_copy_(0, self.slots, v.reshape(t, kvh * d))
             if self.causal_spans is not None:
                 return self._attend_causal(q, k, v)
-            if self.paged is not None:
-                if q.dtype == torch.float32 and q.device.type == "cpu":
-                    return cpu_paged.paged_attention(q, kc.view(-1, kvh, d), vc.view(-1, kvh, d),
-                                                     *self.paged, self.layout.page_size)
-                if not self.gathered:  # another dtype than the kernel's: the general path
-                    self._plan_gathered()
             if self.groups is not None:
                 out = q.new_empty(t, heads, d)
                 for rows, sub in self.groups:
