@@ -6,7 +6,8 @@ layer copies every request's history into a [B, max_kv] batch padded to the long
 SDPA's CPU kernel runs per (request, head) with a mask. Measured on the 2-core EPYC, 1 thread,
 64 requests of 40-400 keys (SmolLM2's 9 heads over 3 kv heads): gather 3.8 ms + SDPA 15.9 ms
 per layer, for ~60 MFLOP. cpu_paged.cpp reads each key and value row once, straight from its
-page, for all query heads that share it, and touches no padding.
+page, for all query heads that share it, and touches no padding: 5.2 ms on that 1 thread,
+3.3 ms on 2 (SDPA alone on 2: 8.7 ms). It also appends the step's own rows to the cache.
 
 Built once per machine with torch's C++ extension loader (the same compiler inductor uses;
 cached under torch's extension directory). Where it cannot be built the torch backend keeps
