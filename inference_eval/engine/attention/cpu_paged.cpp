@@ -81,11 +81,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_new, torch::Tenso
                               torch::Tensor slots, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor cu_q,
                               torch::Tensor kv_lens, int64_t page_size, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32,
-              "paged_attention: fp32 only");
-  TORCH_CHECK(k_new.scalar_type() == torch::kFloat32 && v_new.scalar_type() == torch::kFloat32,
-              "paged_attention: fp32 only");
+  for (const auto& t : {q, k_new, v_new, k_cache, v_cache})
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32, "paged_attention: fp32 only");
   TORCH_CHECK(k_new.is_contiguous() && v_new.is_contiguous() && slots.is_contiguous() &&
                   k_new.sizes() == v_new.sizes() && k_new.size(0) == slots.size(0) &&
                   k_new.size(1) == k_cache.size(1) && k_new.size(2) == k_cache.size(2),
@@ -98,20 +95,18 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_new, torch::Tenso
   const int64_t G = H / KVH, B = kv_lens.size(0), P = block_tables.size(1);
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  float* kp = k_cache.data_ptr<float>();
+  float* vp = v_cache.data_ptr<float>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* cu = cu_q.data_ptr<int64_t>();
   const int64_t* kl = kv_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   {  // append: one row of KVH * D floats per new token (a latent cache writes k twice)
-    const int64_t row = k_cache.size(1) * D;
+    const int64_t row = KVH * D;
     const int64_t* sl = slots.data_ptr<int64_t>();
-    float* kw = k_cache.data_ptr<float>();
-    float* vw = v_cache.data_ptr<float>();
     for (int64_t t = 0; t < slots.size(0); ++t) {
-      std::copy_n(k_new.data_ptr<float>() + t * row, row, kw + sl[t] * row);
-      std::copy_n(v_new.data_ptr<float>() + t * row, row, vw + sl[t] * row);
+      std::copy_n(k_new.data_ptr<float>() + t * row, row, kp + sl[t] * row);
+      std::copy_n(v_new.data_ptr<float>() + t * row, row, vp + sl[t] * row);
     }
   }
   const float sc = static_cast<float>(scale);

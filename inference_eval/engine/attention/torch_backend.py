@@ -69,6 +69,8 @@ def kv_groups(kv_lens: list[int], group_cost: int = GROUP_COST) -> list[list[int
 class TorchAttentionPlan:
     def __init__(self, layout: BatchLayout, device: torch.device, grouped: bool = True,
                  threads: int | None = None, paged_kernel: bool = False) -> None:
+        # paged_kernel: cpu_paged's kernel is built and the device is the CPU (the backend
+        # decides once; see TorchAttentionBackend).
         self.layout, self.threads, self.grouped = layout, threads, grouped
         self.device = torch.device(device)
         self.num_tokens = layout.num_tokens
@@ -89,8 +91,7 @@ class TorchAttentionPlan:
         if fresh:
             return
         if (paged_kernel and self.cached and layout.tree_masks is None
-                and self.max_q <= cpu_paged.SMALL_Q and (b > 1 or self.max_q == 1)
-                and cpu_paged.kernel() is not None):
+                and self.max_q <= cpu_paged.SMALL_Q and (b > 1 or self.max_q == 1)):
             self.paged = _paged_tables(layout, device)
             return
         self._plan_gathered()
@@ -167,7 +168,7 @@ class TorchAttentionPlan:
         if self.cached:
             kc, vc = cache.layer(layer)
             if self.paged is not None:
-                if q.dtype == kc.dtype == torch.float32 and q.device.type == "cpu":
+                if q.dtype == kc.dtype == torch.float32:  # paged_kernel: a CPU backend
                     # The kernel appends this step's rows itself.
                     return cpu_paged.paged_attention(q, k, v, self.slots, kc.view(-1, kvh, d),
                                                      vc.view(-1, kvh, d), *self.paged,
