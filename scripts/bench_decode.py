@@ -6,6 +6,8 @@ line: {"bench": "decode", "ours_tok_s_bs1": ..., "base_tok_s_bs1": ..., "ratio_b
 """
 from __future__ import annotations
 
+import inference_eval  # noqa: F401  (first: its OpenBLAS setting must precede torch/numpy)
+
 import argparse
 import json
 import time

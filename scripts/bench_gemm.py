@@ -11,6 +11,11 @@ tied lm_head), the paths `inference_eval.engine.model.linear` chose between:
     mkl        torch's F.linear (MKL on this build)
     onednn     oneDNN through torch (`torch.ops.mkldnn._linear_pointwise`) on a weight
                reordered once into oneDNN's blocked layout
+    kernel     the engine's own small-row kernel (model/cpu_linear.cpp), up to SMALL_ROWS
+               rows, the weight as is ([out, in] row-major)
+
+(inductor's CPU GEMM template, which compiled steps used before the kernel, needs a compile
+per row count; model/cpu_linear.py and model/compiled.py quote it measured beside the kernel.)
 
     .venv/bin/python scripts/bench_gemm.py [--rows 1 2 3 4 5 6 8 12 16] [--reps 10]
 
@@ -21,6 +26,8 @@ path}, "ms": {...}}. Run it with nothing else on the machine.
 """
 from __future__ import annotations
 
+import inference_eval  # noqa: F401  (first: its OpenBLAS setting must precede torch/numpy)
+
 import argparse
 import json
 import statistics
@@ -30,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from inference_eval.engine.model import cpu_linear
 from inference_eval.engine.model.linear import gemv_rows
 
 # SmolLM2-135M: hidden 576, 9 q heads + 2 x 3 kv heads of 64, MLP 1536, vocab 49152.
@@ -50,6 +58,9 @@ def paths(weights: list[torch.Tensor], m: int) -> dict:
         "gemv_rows": lambda x: [[np.matmul(r, wt) for r in x.numpy()] for wt in wts],
         "mkl": lambda x: [F.linear(x, w) for w in weights],
     }
+    if m <= cpu_linear.SMALL_ROWS and cpu_linear.enable(torch.get_num_threads()):
+        small, n = cpu_linear.kernel().small_linear, torch.get_num_threads()
+        out["kernel"] = lambda x: [small(x, w, None, n) for w in weights]
     if onednn_available():
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, m) for w in weights]
         out["onednn"] = lambda x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
@@ -74,13 +85,13 @@ def measure(weights: list[torch.Tensor], rows: list[int], reps: int) -> dict[int
 
 
 def table(title: str, res: dict[int, dict[str, float]]) -> None:
-    names = list(next(iter(res.values())))
+    names = list(dict.fromkeys(n for r in res.values() for n in r))  # the kernel stops at 16
     base = min(res[min(res)].values())
     print(f"\n{title} (ms, median)\n{'M':>3} " + " ".join(f"{n:>10}" for n in names)
           + f" {'best':>10} {'best/M1':>8}")
     for m, r in res.items():
         best = min(r, key=r.get)
-        print(f"{m:>3} " + " ".join(f"{r[n]:>10.2f}" for n in names)
+        print(f"{m:>3} " + " ".join(f"{r.get(n, float('nan')):>10.2f}" for n in names)
               + f" {best:>10} {r[best] / base:>8.2f}")
 
 
@@ -105,8 +116,9 @@ def main() -> None:
     best = {m: min(r, key=r.get) for m, r in total.items()}
     # What the engine dispatches (model/linear.py), for comparison with the best path.
     layer_rows, head_rows = gemv_rows(torch.empty(LAYER["gate_up"])), gemv_rows(torch.empty(LM_HEAD))
-    print(f"\nengine: one GEMV per row up to {layer_rows} rows for layer weights, up to "
-          f"{head_rows} for the lm_head; one OpenBLAS GEMM beyond")
+    print(f"\nengine: the kernel up to {cpu_linear.SMALL_ROWS} rows where it is built (else one "
+          f"GEMV per row up to {layer_rows} rows for layer weights, up to {head_rows} for the "
+          "lm_head); one OpenBLAS GEMM beyond")
     print(json.dumps({"bench": "gemm", "threads": torch.get_num_threads(), "rows": args.rows,
                       "best": best, "ms": {m: {n: round(v, 2) for n, v in r.items()}
                                            for m, r in total.items()}}))

@@ -23,6 +23,8 @@ Ends with one JSON line: {"bench": "precompute", "ours_tok_s", "base_tok_s", "ra
 """
 from __future__ import annotations
 
+import inference_eval  # noqa: F401  (first: its OpenBLAS setting must precede torch/numpy)
+
 import argparse
 import contextlib
 import json

@@ -24,6 +24,8 @@ the head's lm_head: its reduced vocabulary when it has one). The three are timed
 """
 from __future__ import annotations
 
+import inference_eval  # noqa: F401  (first: its OpenBLAS setting must precede torch/numpy)
+
 import argparse
 import json
 from pathlib import Path

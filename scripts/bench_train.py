@@ -38,6 +38,8 @@ Ends with one JSON line: {"bench": "train", "ours_tok_s", "base_tok_s", "tok_s_r
 """
 from __future__ import annotations
 
+import inference_eval  # noqa: F401  (first: its OpenBLAS setting must precede torch/numpy)
+
 import argparse
 import json
 import os

@@ -24,6 +24,8 @@ The vllm side imports nothing from this repository and nothing heavy at module l
 """
 from __future__ import annotations
 
+import inference_eval  # noqa: F401  (first: its OpenBLAS setting must precede torch/numpy)
+
 import argparse
 import json
 import os

@@ -84,7 +84,9 @@ $PY -m train target=smollm2 head=mtp "data.shards='$(IFS=,; echo "${shards[*]}")
     "${recipe[@]}" "${extra[@]}"
 ck="$H/checkpoints/best"
 drafts="[{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K}]"
-if [ "$PRESET" = long ]; then
+if [ "$PRESET" = quick ] && [ "$K" != 1 ]; then  # K=1: the draft length a weak head can afford
+  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K}]"
+elif [ "$PRESET" = long ]; then
   drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain2,num_draft:2},{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree,depth:4,topk:4,total_tokens:12}]"
 elif [ "$PRESET" = gpu ]; then
   drafts="[{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree}]"

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random HF checkpoints of each family, and the embedded SmolLM2."""
 from __future__ import annotations
 
+import inference_eval  # noqa: F401  (first: its OpenBLAS setting must precede torch/numpy)
 import pytest
 import torch
 

@@ -9,38 +9,28 @@ per layer, for ~60 MFLOP. cpu_paged.cpp reads each key and value row once, strai
 page, for all query heads that share it, and touches no padding: 5.2 ms on that 1 thread,
 3.3 ms on 2 (SDPA alone on 2: 8.7 ms). It also appends the step's own rows to the cache.
 
-Built once per machine with torch's C++ extension loader (the same compiler inductor uses;
-cached under torch's extension directory). Where it cannot be built the torch backend keeps
+Built once per machine (engine/native.py); where it cannot be built the torch backend keeps
 its SDPA path and says why once.
 """
 from __future__ import annotations
 
 import functools
-import warnings
 from pathlib import Path
 
 import torch
 
+from inference_eval.engine import native
+
 # Up to this many new rows per request a step uses the kernel (a chunked prefill, with more,
 # keeps SDPA: its rows share keys, which SDPA's blocked kernel turns into matrix products).
 SMALL_Q = 8
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-          "-fassociative-math",  # vectorised dot products; inf/NaN semantics kept
-          "-fopenmp"]  # at::parallel_for's OpenMP pragma lives in ATen's headers
 
 
 @functools.cache
 def kernel():
     """The compiled module (its `paged_attention`), or None where it cannot be built."""
-    try:
-        from torch.utils.cpp_extension import load
-
-        return load(name="specheads_cpu_paged", sources=[str(Path(__file__).with_suffix(".cpp"))],
-                    extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as exc:  # no compiler or ninja: the SDPA path serves
-        warnings.warn(f"the CPU paged attention kernel could not be built ({exc}); decode "
-                      "steps use SDPA over gathered pages instead", stacklevel=2)
-        return None
+    return native.build("specheads_cpu_paged", Path(__file__).with_suffix(".cpp"),
+                        "decode steps use SDPA over gathered pages instead")
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

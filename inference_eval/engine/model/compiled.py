@@ -1,13 +1,16 @@
 """Compiled small-row steps (decode, verification, draft steps) for CPU fp32 inference.
 
 At batch 1 a step is a weight stream: ~540 MB of SmolLM2 weights per step whether it carries
-1 or 5 rows. No BLAS we can call reads each weight once for 2-16 rows (scripts/bench_gemm.py:
-OpenBLAS GEMM, one GEMV per row, MKL and oneDNN on packed weights); inductor's CPU GEMM
-template does: `torch.compile` with freezing packs every weight once into its blocked layout
-and generates a register-blocked micro-kernel per shape. Measured on the 2-core EPYC, a whole
-SmolLM2 step's products (120 layer weights + the lm_head): 1 row 27.6 ms (OpenBLAS GEMV 42),
-5 rows 41.9 ms (OpenBLAS 96.6). The same compile fuses the step's small ops (rope on q and k,
-norms, SwiGLU, residuals) that otherwise cost ~100 aten calls per layer.
+1 or 5 rows. The products of a compiled step are the engine's own small-row kernel
+(model/cpu_linear.py, a dispatcher op inductor calls as an external kernel), as in eager
+steps: measured against inductor's CPU GEMM template (freezing packs every weight into its
+blocked layout, a register-blocked micro-kernel per shape) it ties at 1 and 4 rows (a SmolLM2
+decode step 16.4 vs 16.5 ms, 4 rows 20.7 vs 20.7), wins from 5 rows, where the template
+needs a second pass over the weights (a step's products 19.9 ms vs 28.3), and halves the
+compile (39 s vs 71 s for two row counts). What the compile is for is the step's small ops
+(rope on q and k, norms, SwiGLU, residuals), ~100 aten calls per layer eagerly, fused.
+Where the kernel cannot be built, the products stay F.linear and inductor's template
+(INDUCTOR_CONFIG) takes them.
 
 What is compiled: embedding -> every decoder layer -> final norm -> lm_head, for one row
 count T at a time (inductor specializes its GEMM on the rows, so each T is its own compile).
@@ -108,7 +111,7 @@ class _HeadStep(nn.Module):
     def forward(self, tokens: torch.Tensor, state: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor):
         nxt, feats = self.head.step(tokens, state, _GraphContext(cos, sin), k=1)
-        return nxt, self.head.logits(feats).float()
+        return nxt, self.head.logits(feats, cpu_blas=True).float()
 
 
 def compilable(model: nn.Module) -> bool:

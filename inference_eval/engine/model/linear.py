@@ -1,13 +1,14 @@
 """Linear layers with a faster CPU inference path.
 
-On CPU, torch's fp32 GEMM goes to MKL, whose small-M kernels (decode: M = batch size) run
-2-3x slower on AMD CPUs than OpenBLAS, which numpy ships. Measured on a 2-core EPYC for a
-[M, 576] x [576, 3072] product over 60 weights: M=1 65 ms (MKL) vs 22 ms (OpenBLAS), M=8
-149 vs 47, M=64 304 vs 141. So inference on CPU in fp32 (`cpu_blas` on) routes through
-numpy's matmul, small row counts as one GEMV per row (see gemv_rows); training and every
-other device/dtype use F.linear. Weights keep their
-logical [out, in] shape (state dicts unchanged) but are stored column-major, so W.t() is a
-C-contiguous [in, out] array that OpenBLAS streams without a copy.
+On CPU in fp32 inference (`cpu_blas` on) a product of up to cpu_linear.SMALL_ROWS rows (decode,
+verification, draft steps, a prefill's last-row logits) runs in the engine's own kernel,
+which reads each weight once for all rows (cpu_linear.py has the measurements); larger ones
+(prefill, precompute, batched decode) go to numpy's matmul (OpenBLAS): torch's MKL kernels
+run 2-3x slower on AMD CPUs (a [M, 576] x [576, 3072] product over 60 weights on a 2-core
+EPYC: M=64 304 ms MKL vs 141 OpenBLAS). Where the kernel cannot be built, small row counts
+run as one OpenBLAS GEMV per row (see gemv_rows). Training and every other device/dtype use
+F.linear. Weights keep torch's [out, in] row-major layout, which the kernel streams and
+OpenBLAS reads transposed without a copy.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference_eval.engine.model import cpu_linear
+
 
 def use_numpy_blas(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # Inside a compiled step (model/compiled.py) inductor's own GEMM replaces the bridge.
@@ -23,7 +26,7 @@ def use_numpy_blas(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not torch.is_grad_enabled() and x.dim() == 2 and not torch.compiler.is_compiling())
 
 
-# Rows that run as one OpenBLAS GEMV each (scripts/bench_gemm.py, 2-core EPYC, 2 threads, a
+# Without the kernel: rows that run as one OpenBLAS GEMV each (scripts/bench_gemm.py, 2-core EPYC, 2 threads, a
 # whole SmolLM2 step's products: M=1 35 ms as a GEMV vs 56 ms as a [1, in] GEMM; M=5 83 ms
 # as GEMVs vs 120 as OpenBLAS's GEMM, 103 as oneDNN's on a pre-packed weight, 268 as MKL's).
 # A weight that stays in the last-level cache (32 MB here) is streamed from DRAM once and
@@ -39,9 +42,19 @@ def gemv_rows(weight: torch.Tensor) -> int:
     return GEMV_ROWS_CACHED if small else GEMV_ROWS_STREAMED
 
 
-def matmul_wt(x: torch.Tensor, weight: torch.Tensor, fast: bool) -> torch.Tensor:
-    """x [M, in] @ weight[out, in].T -> [M, out], through OpenBLAS when `fast` applies
-    (CPU fp32 inference): one GEMV per row up to gemv_rows(weight) rows, else one GEMM."""
+def matmul_wt(x: torch.Tensor, weight: torch.Tensor, fast: bool,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in] @ weight[out, in].T (+ bias [out]) -> [M, out]. With `fast` (CPU fp32
+    inference): up to cpu_linear.SMALL_ROWS rows in the engine's kernel (compiled steps too),
+    more through OpenBLAS (one GEMV per row up to gemv_rows(weight) rows where the kernel is
+    missing, else one GEMM)."""
+    if fast and cpu_linear.applies(x, weight):
+        return cpu_linear.linear(x, weight, bias)
+    y = _matmul_wt(x, weight, fast)
+    return y if bias is None else y + bias
+
+
+def _matmul_wt(x: torch.Tensor, weight: torch.Tensor, fast: bool) -> torch.Tensor:
     if fast and use_numpy_blas(x, weight):
         xs, wt = x.numpy(), weight.t().numpy()
         if xs.shape[0] <= gemv_rows(weight):
@@ -61,18 +74,19 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.cpu_blas:
             return F.linear(x, self.weight, self.bias)
-        y = matmul_wt(x, self.weight, True)
-        return y if self.bias is None else y + self.bias
+        return matmul_wt(x, self.weight, True, self.bias)
 
 
 def set_cpu_blas(model: nn.Module, enabled: bool) -> None:
-    """Turn the OpenBLAS path on/off for every module of `model` that has one (Linear layers,
-    the model's lm_head product), re-laying out Linear and Embedding weights column-major
-    when on (same values, same logical shape)."""
+    """Turn the CPU fast path on/off for every module of `model` that has one (Linear layers,
+    the model's lm_head product). On, it builds the small-row kernel once (never inside a
+    timed step) for torch's current thread count, and makes Linear and Embedding (the tied
+    lm_head) weights contiguous [out, in], the layout the kernel streams."""
+    if enabled:
+        cpu_linear.enable(torch.get_num_threads())
     for m in model.modules():
         if hasattr(m, "cpu_blas"):
             m.cpu_blas = enabled
         weight = m.weight if isinstance(m, (Linear, nn.Embedding)) else None
-        # The (tied) embedding too: lm_head streams it as [H, V]; row lookups barely notice.
-        if enabled and weight is not None and weight.device.type == "cpu" and weight.is_contiguous():
-            weight.data = weight.data.t().contiguous().t()
+        if enabled and weight is not None and weight.device.type == "cpu" and not weight.is_contiguous():
+            weight.data = weight.data.contiguous()

@@ -1,0 +1,73 @@
+"""Small-row fp32 matrix products on CPU that read each weight once (cpu_linear.cpp).
+
+A batch-1 decode step pushes one row through every weight (SmolLM2: 540 MB a step), a
+verification K + 1 rows, a small decode batch B rows: at these row counts a product is a
+weight stream, and 5 rows should cost about what 1 does. The kernel keeps a tile of 3 rows x
+8 outputs in registers (AVX-512; 1 x 8 with AVX2) so each weight vector loaded from memory
+feeds every row of the tile, and splits the weight's rows between threads. Measured with
+scripts/bench_gemm.py on the 2-core EPYC (AVX-512), a whole SmolLM2 step's products (30
+layers' weights and the lm_head), ms:
+
+    rows              1      2      5      8     16
+    kernel         12.3   15.5   17.6   21.1   27.1
+    OpenBLAS GEMV  24.2   29.1   50.4   76.6  136.2   (one per row: the path it replaces)
+    OpenBLAS GEMM  34.8   79.0   89.2   73.8   88.8
+    oneDNN         19.5   17.6   16.6   19.8   24.5   (weight reordered for each row count)
+    MKL            38.1   69.8   55.0   59.0   73.3
+
+oneDNN ties it from 4 rows on but is 1.6x slower for one row, the batch-1 decode step, and
+wants its weights re-laid-out per row count; inductor's CPU GEMM template (compiled.py) ties
+it at 1-4 rows and takes a second pass over the weights from 5.
+
+The engine uses it for CPU fp32 inference products of up to SMALL_ROWS rows
+(linear.matmul_wt), eager steps and compiled ones alike (in a compiled graph through the op
+`specheads::small_linear`, registered by the kernel itself, which inductor calls as an
+external kernel while it still fuses the step's elementwise work). Built once per machine
+(engine/native.py); where it cannot be built those products keep their earlier paths.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from inference_eval.engine import native
+
+SMALL_ROWS = 16
+_state = {"width": 0, "threads": 1}  # floats per vector of the built kernel (0: not built)
+
+
+@functools.cache
+def kernel():
+    """The compiled module (its `small_linear`), or None where it cannot be built."""
+    mod = native.build("specheads_cpu_linear", Path(__file__).with_suffix(".cpp"),
+                       "small-row products use OpenBLAS / torch instead")
+    if mod is not None:
+        _state["width"] = mod.vector_width()
+        torch.library.register_fake("specheads::small_linear")(
+            lambda x, weight, bias, threads: x.new_empty((x.shape[0], weight.shape[0])))
+    return mod
+
+
+def enable(threads: int) -> bool:
+    """Build (once) and use the kernel with `threads` threads; whether it is available."""
+    _state["threads"] = max(1, threads)
+    return kernel() is not None
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x [M, in] @ weight[out, in].T runs in the kernel: built, CPU fp32 inference,
+    M <= SMALL_ROWS, a contiguous weight whose dims fit the kernel's vectors."""
+    w = _state["width"]
+    return (w > 0 and x.dim() == 2 and x.shape[0] <= SMALL_ROWS and x.device.type == "cpu"
+            and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.is_contiguous() and weight.shape[1] % w == 0 and weight.shape[0] % 8 == 0
+            and not torch.is_grad_enabled())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in] @ weight[out, in].T + bias [out] -> [M, out]; call only where applies()."""
+    if torch.compiler.is_compiling():  # the dispatcher op (cpu_linear.cpp) is a graph node
+        return torch.ops.specheads.small_linear(x.contiguous(), weight, bias, _state["threads"])
+    return kernel().small_linear(x.contiguous(), weight, bias, _state["threads"])

@@ -1,0 +1,93 @@
+"""The small-row CPU kernel (inference_eval/engine/model/cpu_linear.{py,cpp}): every row count
+it takes, with and without bias, on any thread count, equals a float64 product; it is used
+exactly where applies() says, in eager steps and inside compiled graphs."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inference_eval.engine.model import cpu_linear
+from inference_eval.engine.model.linear import Linear, matmul_wt, set_cpu_blas
+
+
+@pytest.fixture(scope="module")
+def width():
+    # The engine keeps its OpenBLAS paths without the kernel; on a machine with torch's
+    # compiler toolchain (which inductor needs too) that fallback must not hide a broken build.
+    assert cpu_linear.enable(2)
+    return cpu_linear.kernel().vector_width()
+
+
+def weights(out, inn, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out, inn, generator=g), torch.randn(out, generator=g)
+
+
+@pytest.mark.parametrize("rows", list(range(0, 9)) + [11, 16])
+@pytest.mark.parametrize("out,inn", [(8, 16), (96, 64), (200, 576)])
+def test_every_row_count_matches_float64(width, rows, out, inn):
+    w, b = weights(out, inn, rows)
+    x = torch.randn(rows, inn, generator=torch.Generator().manual_seed(rows + 100))
+    ref = x.double() @ w.double().t()
+    with torch.inference_mode():
+        assert cpu_linear.applies(x, w)
+        got = cpu_linear.linear(x, w)
+        got_b = cpu_linear.linear(x, w, b)
+    assert got.shape == (rows, out) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got_b.double(), ref + b.double(), rtol=1e-5, atol=1e-4)
+
+
+def test_threads_split_rows_without_changing_a_bit(width):
+    w, b = weights(1024, 576, 0)  # 128 blocks of 8 outputs: both thread counts split them
+    x = torch.randn(5, 576)
+    kern = cpu_linear.kernel()
+    one, two = kern.small_linear(x, w, b, 1), kern.small_linear(x, w, b, 2)
+    assert torch.equal(one, two)
+
+
+def test_applies_only_where_the_kernel_can_run(width):
+    w = torch.randn(96, 64)
+    x = torch.randn(4, 64)
+    with torch.inference_mode():
+        assert cpu_linear.applies(x, w)
+        assert not cpu_linear.applies(torch.randn(cpu_linear.SMALL_ROWS + 1, 64), w)
+        assert not cpu_linear.applies(x.double(), w.double())
+        assert not cpu_linear.applies(x, w.t().contiguous().t())  # not [out, in] contiguous
+        assert not cpu_linear.applies(torch.randn(4, 72), torch.randn(96, 72))  # in % 16
+        assert not cpu_linear.applies(x, torch.randn(90, 64))  # out % 8
+    assert not cpu_linear.applies(x, w)  # grad mode: training keeps F.linear
+    with pytest.raises(RuntimeError, match="out % 8"):
+        cpu_linear.kernel().small_linear(x, torch.randn(90, 64), None, 1)
+
+
+def test_linear_layers_take_it_and_fall_back(width):
+    lin = Linear(64, 96, bias=True)
+    set_cpu_blas(lin, True)
+    with torch.inference_mode():
+        for rows in (1, 5, 16, 17, 40):  # the kernel, then OpenBLAS past SMALL_ROWS
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        odd = torch.randn(72, 64)  # out % 8 != 0: the fallback
+        torch.testing.assert_close(matmul_wt(x[:3], odd, True), x[:3] @ odd.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_graph_calls_the_kernel(width):
+    w, b = weights(96, 64, 3)
+    x = torch.randn(5, 64)
+
+    def f(x):
+        return torch.relu(matmul_wt(x, w, True, b)) * 2
+
+    with torch.inference_mode():
+        eager = f(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(f, fullgraph=True)
+        got = compiled(x)
+        graph_ops = []
+        torch._dynamo.reset()
+        torch.compile(f, fullgraph=True, backend=lambda gm, _: graph_ops.extend(
+            str(n.target) for n in gm.graph.nodes) or gm)(x)
+    assert torch.equal(got, eager)
+    assert any("small_linear" in op for op in graph_ops)
