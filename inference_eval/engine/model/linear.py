@@ -21,13 +21,13 @@ from inference_eval.engine.model import cpu_linear
 
 
 def use_numpy_blas(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # Inside a compiled step (model/compiled.py) inductor's own GEMM replaces the bridge.
+    # Inside a compiled step (model/compiled.py) numpy cannot run: the kernel or inductor does.
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and not torch.is_grad_enabled() and x.dim() == 2 and not torch.compiler.is_compiling())
 
 
-# Without the kernel: rows that run as one OpenBLAS GEMV each (scripts/bench_gemm.py, 2-core EPYC, 2 threads, a
-# whole SmolLM2 step's products: M=1 35 ms as a GEMV vs 56 ms as a [1, in] GEMM; M=5 83 ms
+# Without the kernel: rows that run as one OpenBLAS GEMV each (scripts/bench_gemm.py, 2-core
+# EPYC, 2 threads, a whole SmolLM2 step's products: M=1 35 ms as a GEMV vs 56 ms as a [1, in] GEMM; M=5 83 ms
 # as GEMVs vs 120 as OpenBLAS's GEMM, 103 as oneDNN's on a pre-packed weight, 268 as MKL's).
 # A weight that stays in the last-level cache (32 MB here) is streamed from DRAM once and
 # re-read from cache by the later rows, so GEMVs win up to 8 rows; the 113 MB tied lm_head
