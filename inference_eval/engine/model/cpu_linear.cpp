@@ -19,6 +19,12 @@ constexpr int VW = 8;
 constexpr int ROWS = 1;  // 8 accumulators of 16 registers
 #endif
 constexpr int COLS = 8;
+// The first tile of a block prefetches, line by line as it goes, the block PREFETCH_AHEAD
+// blocks further into L2: a block's 8 rows are 8 short streams (2-6 KB each) that the
+// hardware prefetcher barely catches, and without it the rows beyond the first tile's
+// compute left the memory stream idle (Xeon, 2 threads, the 113 MB lm_head: 3 rows 4.99 ->
+// 4.00 ms, 5 rows 5.46 -> 4.56, one row 3.89 -> 3.76; 2 or 1 block ahead, or into L1, were slower).
+constexpr int PREFETCH_AHEAD = 4;
 typedef float vec __attribute__((vector_size(VW * 4)));
 typedef float vec8 __attribute__((vector_size(32)));
 
@@ -55,12 +61,15 @@ static inline vec8 reduce8(const vec* a) {
 #undef F3
 }
 
-// R rows of x [R, in] (row stride in) against w [8, in] -> y[r, 0..8) (row stride out).
+// R rows of x [R, in] (row stride in) against w [8, in] -> y[r, 0..8) (row stride out);
+// pf: a block to prefetch meanwhile, or nullptr.
 template <int R>
 static inline void tile(const float* x, const float* w, const float* bias, float* y,
-                        int64_t in, int64_t out) {
+                        int64_t in, int64_t out, const float* pf) {
   vec acc[R][COLS] = {};
   for (int64_t k = 0; k < in; k += VW) {
+    if (pf)
+      for (int c = 0; c < COLS; ++c) __builtin_prefetch(pf + c * in + k, 0, 2);
     vec xv[R];
     for (int r = 0; r < R; ++r) xv[r] = loadu(x + r * in + k);
     for (int c = 0; c < COLS; ++c) {
@@ -79,12 +88,13 @@ static inline void tile(const float* x, const float* w, const float* bias, float
 
 // Every row of x against one block of 8 weight rows (re-read from L1 by later row groups).
 static void block(const float* x, int64_t m, const float* w, const float* bias, float* y,
-                  int64_t in, int64_t out) {
+                  int64_t in, int64_t out, const float* pf) {
   int64_t r = 0;
-  for (; r + ROWS <= m; r += ROWS) tile<ROWS>(x + r * in, w, bias, y + r * out, in, out);
-  if (m - r == 1) tile<1>(x + r * in, w, bias, y + r * out, in, out);
+  for (; r + ROWS <= m; r += ROWS, pf = nullptr)
+    tile<ROWS>(x + r * in, w, bias, y + r * out, in, out, pf);
+  if (m - r == 1) tile<1>(x + r * in, w, bias, y + r * out, in, out, pf);
   if constexpr (ROWS > 2) {
-    if (m - r == 2) tile<2>(x + r * in, w, bias, y + r * out, in, out);
+    if (m - r == 2) tile<2>(x + r * in, w, bias, y + r * out, in, out, pf);
   }
 }
 
@@ -113,8 +123,10 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w,
 #pragma omp parallel num_threads(nt)
   {
     const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-    for (int64_t b = blocks * t / n; b < blocks * (t + 1) / n; ++b)
-      block(xp, m, wp + b * COLS * in, bp ? bp + b * COLS : nullptr, yp + b * COLS, in, out);
+    const int64_t b1 = blocks * (t + 1) / n;
+    for (int64_t b = blocks * t / n; b < b1; ++b)
+      block(xp, m, wp + b * COLS * in, bp ? bp + b * COLS : nullptr, yp + b * COLS, in, out,
+            b + PREFETCH_AHEAD < b1 ? wp + (b + PREFETCH_AHEAD) * COLS * in : nullptr);
   }
   return y;
 }
