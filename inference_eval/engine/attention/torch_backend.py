@@ -68,9 +68,13 @@ def kv_groups(kv_lens: list[int], group_cost: int = GROUP_COST) -> list[list[int
 
 class TorchAttentionPlan:
     def __init__(self, layout: BatchLayout, device: torch.device, grouped: bool = True,
-                 threads: int | None = None, paged_kernel: bool = False) -> None:
+                 threads: int | None = None, paged_kernel: bool = False,
+                 group_of_step: bool = False) -> None:
         # paged_kernel: cpu_paged's kernel is built and the device is the CPU (the backend
-        # decides once; see TorchAttentionBackend).
+        # decides once; see TorchAttentionBackend). group_of_step: this plan serves one kv
+        # group of a larger step (below), whose keys the step has already appended, so it
+        # always takes the gathered path, even when all of its requests happen to be fresh
+        # prompts (a mixed self-distillation step: new prompts admitted beside decodes).
         self.layout, self.threads, self.grouped = layout, threads, grouped
         self.device = torch.device(device)
         self.num_tokens = layout.num_tokens
@@ -84,7 +88,8 @@ class TorchAttentionPlan:
         self.paged = None  # (block tables, cu_q, kv_lens) tensors for cpu_paged's kernel
         self.gathered = False  # the gather / mask / group fields below are planned
         # Packed row spans of fresh whole sequences (module docstring), else None.
-        fresh = layout.tree_masks is None and all(q == kv for q, kv in zip(q_lens, kv_lens))
+        fresh = (not group_of_step and layout.tree_masks is None
+                 and all(q == kv for q, kv in zip(q_lens, kv_lens)))
         self.causal_spans = list(zip(cu[:-1], cu[1:])) if fresh else None
         self.slots = layout.slot_mapping(device) if self.cached else None
         self.mask = None
@@ -110,7 +115,8 @@ class TorchAttentionPlan:
             groups = kv_groups(kv_lens) if self.grouped and b > 1 else [list(range(b))]
             if len(groups) > 1:  # each group plans its own gather and mask; none padded here
                 self.groups = [(self._token_rows(g, cu, device),
-                                TorchAttentionPlan(_sub_layout(layout, g), device, grouped=False))
+                                TorchAttentionPlan(_sub_layout(layout, g), device, grouped=False,
+                                                   group_of_step=True))
                                for g in groups]
                 return
             self.kv_span = _contiguous_span(layout) if b == 1 else None
