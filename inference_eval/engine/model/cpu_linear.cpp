@@ -21,9 +21,10 @@ constexpr int ROWS = 1;  // 8 accumulators of 16 registers
 constexpr int COLS = 8;
 // The first tile of a block prefetches, line by line as it goes, the block PREFETCH_AHEAD
 // blocks further into L2: a block's 8 rows are 8 short streams (2-6 KB each) that the
-// hardware prefetcher barely catches, and without it the rows beyond the first tile's
-// compute left the memory stream idle (Xeon, 2 threads, the 113 MB lm_head: 3 rows 4.99 ->
-// 4.00 ms, 5 rows 5.46 -> 4.56, one row 3.89 -> 3.76; 2 or 1 block ahead, or into L1, were slower).
+// hardware prefetcher barely catches, so without it the more rows a tile computed per line
+// loaded, the longer the memory stream sat idle (Xeon, 2 threads, the 113 MB lm_head: one row
+// 3.89 -> 3.76 ms, 3 rows 4.99 -> 4.00, 5 rows 5.46 -> 4.56; 1 or 2 blocks ahead, or into L1,
+// were slower).
 constexpr int PREFETCH_AHEAD = 4;
 typedef float vec __attribute__((vector_size(VW * 4)));
 typedef float vec8 __attribute__((vector_size(32)));
