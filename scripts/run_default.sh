@@ -22,13 +22,15 @@
 #   DATA=distill    the target answers the default prompt mix itself first (on-policy text)
 #   DATA=both       both, trained together (data.shards='a,b')
 #   quick (default) DATA=sharegpt, 80 conversations (65 kept, 42k tokens), 150 steps, K=2,
-#                   1 prompt per category (12); 8m10s on 2 CPU cores (measured).
+#                   1 prompt per category (12); 4-5 min on 2 CPU cores (EPYC, Xeon;
+#                   8m10s on an older AVX2 machine), measured.
 #   long            DATA=distill: 1500 prompts answered (160 tokens, batches of 64),
 #                   1000 steps, chains of K=1, 2, 4 and an EAGLE-2 tree on 2 prompts per
 #                   category (the target's own greedy text is what greedy evaluation
 #                   scores: ShareGPT's text raised held-out ShareGPT top-1, not real τ);
 #                   1h45m on 2 CPU cores (measured: distill 48 min, precompute 15,
-#                   training 29, evaluation 13), chain K=4 τ 1.43.
+#                   training 29, evaluation 13), chain K=4 τ 1.43. PROMPTS_N=3000
+#                   STEPS=1500: 1h21m on a 2-core Xeon, K=4 τ 1.51, K=2 τ 1.48 at 1.13x.
 #   gpu             DATA=distill, 16k prompts, 512-token answers, 6000 steps x 16k tokens,
 #                   bf16, chain K=4 and the EAGLE-2 tree at batch 8: for one GPU.
 set -euo pipefail
