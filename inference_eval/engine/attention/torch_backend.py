@@ -72,10 +72,11 @@ class TorchAttentionPlan:
                  group_of_step: bool = False) -> None:
         # paged_kernel: cpu_paged's kernel is built and the device is the CPU (the backend
         # decides once; see TorchAttentionBackend). group_of_step: this plan serves one kv
-        # group of a larger step (below), whose keys the step has already appended, so it
-        # always takes the gathered path, even when all of its requests happen to be fresh
+        # group of a larger step (below), whose keys the step has already appended, so it is
+        # not split again and always takes the gathered path, even when all of its requests are fresh
         # prompts (a mixed self-distillation step: new prompts admitted beside decodes).
-        self.layout, self.threads, self.grouped = layout, threads, grouped
+        self.layout, self.threads = layout, threads
+        self.grouped = grouped and not group_of_step
         self.device = torch.device(device)
         self.num_tokens = layout.num_tokens
         self.positions = layout.position_tensor(device)
@@ -115,8 +116,7 @@ class TorchAttentionPlan:
             groups = kv_groups(kv_lens) if self.grouped and b > 1 else [list(range(b))]
             if len(groups) > 1:  # each group plans its own gather and mask; none padded here
                 self.groups = [(self._token_rows(g, cu, device),
-                                TorchAttentionPlan(_sub_layout(layout, g), device, grouped=False,
-                                                   group_of_step=True))
+                                TorchAttentionPlan(_sub_layout(layout, g), device, group_of_step=True))
                                for g in groups]
                 return
             self.kv_span = _contiguous_span(layout) if b == 1 else None
