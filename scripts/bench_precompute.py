@@ -16,7 +16,9 @@ machine falls on both alike.
 The roofline: the same run times, on the target's own layer shapes at --batch-tokens rows,
 the machine's fp32 GEMM through the path precompute uses (OpenBLAS via numpy), and divides
 it into the model's matmul FLOPs per token (2 x the layer weights, plus attention's
-4 x layers x hidden x mean context); ours is reported as a fraction of that.
+4 x layers x hidden x mean context); ours is reported as a fraction of that. --split dumps
+the first group once more with timers on the products and on attention and prints the time
+split (products with their GFLOP/s inside the dump, attention, the rest).
 Ends with one JSON line: {"bench": "precompute", "ours_tok_s", "base_tok_s", "ratio",
 "roofline_tok_s", "fraction_of_roofline", "gemm_gflops", "bytes_per_token",
 "bytes_budget": 2*H+8, ...}.
@@ -111,6 +113,40 @@ def threads_check(model, records, batch_tokens: int) -> dict[str, float]:
     return res
 
 
+def time_split(model, records, batch_tokens: int) -> dict[str, float]:
+    """Where the dump's time goes: seconds in the OpenBLAS products (linear._matmul_wt, and
+    their GFLOP/s), in attention (the backend's causal path), and the rest (norms, rope,
+    SwiGLU, residuals, copies), over one more dump of `records` with timers around both."""
+    import inference_eval.engine.attention.torch_backend as tb
+    import inference_eval.engine.model.linear as lin
+
+    acc = {"gemm_s": 0.0, "attention_s": 0.0, "gemm_flops": 0.0}
+    keep_mm, keep_attn = lin._matmul_wt, tb.TorchAttentionPlan._attend_causal
+
+    def mm(x, w, fast):
+        t = time.perf_counter()
+        y = keep_mm(x, w, fast)
+        acc["gemm_s"] += time.perf_counter() - t
+        acc["gemm_flops"] += 2 * x.shape[0] * w.shape[0] * w.shape[1]
+        return y
+
+    def attn(plan, q, k, v):
+        t = time.perf_counter()
+        y = keep_attn(plan, q, k, v)
+        acc["attention_s"] += time.perf_counter() - t
+        return y
+
+    lin._matmul_wt, tb.TorchAttentionPlan._attend_causal = mm, attn
+    try:
+        total, _ = ours(model, records, batch_tokens)
+    finally:
+        lin._matmul_wt, tb.TorchAttentionPlan._attend_causal = keep_mm, keep_attn
+    return {"total_s": round(total, 2), "gemm_s": round(acc["gemm_s"], 2),
+            "gemm_gflops_in_dump": round(acc["gemm_flops"] / max(acc["gemm_s"], 1e-9) / 1e9, 1),
+            "attention_s": round(acc["attention_s"], 2),
+            "other_s": round(total - acc["gemm_s"] - acc["attention_s"], 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=64, help="first N ShareGPT conversations")
@@ -123,6 +159,9 @@ def main() -> None:
     ap.add_argument("--threads-check", type=int, default=0,
                     help="also time build_shard with torch at 1 vs --threads threads on the "
                          "first N records")
+    ap.add_argument("--split", action="store_true",
+                    help="after the timed runs, dump the first group once more with timers on "
+                         "the products and attention, and print the time split")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -179,6 +218,12 @@ def main() -> None:
     roof = gflops * 1e9 / flops_per_token(model, ctx)
     print(f"roofline: {gflops:.1f} GFLOP/s of OpenBLAS fp32 GEMM on the layer shapes -> "
           f"{roof:.1f} tok/s; ours at {tokens / secs_ours / roof:.0%} of it", flush=True)
+    if args.split:
+        extra["split"] = time_split(model, groups[0], args.batch_tokens)
+        sp = extra["split"]
+        print(f"split of one more dump of group 1 ({sp['total_s']} s): products {sp['gemm_s']} s "
+              f"({sp['gemm_gflops_in_dump']} GFLOP/s), attention {sp['attention_s']} s, "
+              f"the rest {sp['other_s']} s", flush=True)
     h = model.arch.hidden_size
     print(json.dumps({
         "bench": "precompute", "ours_tok_s": round(tokens / secs_ours, 1),

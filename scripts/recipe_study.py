@@ -43,6 +43,9 @@ CELLS = [
     ("k4", "distilled", [V8K, TGT, "head.num_steps=4"], 1 / 4),
     ("k4_staged", "distilled", [V8K, TGT, STAGED], 1 / 3.1),
     ("vocab4k", "distilled", ["head.draft_vocab_size=4096", TGT], 1.0),
+    # EAGLE's feature regression beside the CE: the head's output state, which the next
+    # chain step reads, is pulled toward the target's own next hidden state.
+    ("feature_loss", "distilled", [V8K, "head.feature_loss_weight=1.0"], 1.0),
 ]
 
 
