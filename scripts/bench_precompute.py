@@ -33,6 +33,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -101,15 +102,11 @@ def threads_check(model, records, batch_tokens: int) -> dict[str, float]:
     default (dump's thread switch disabled), on the same records."""
     res = {}
     tokens = sum(len(r.input_ids) for r in records)
-    for label in ("torch_threads_1", f"torch_threads_{torch.get_num_threads()}"):
-        keep = dump.torch_threads
-        if label != "torch_threads_1":
-            dump.torch_threads = lambda n: contextlib.nullcontext()
-        try:
-            secs, _ = ours(model, records, batch_tokens)
-        finally:
-            dump.torch_threads = keep
-        res[label] = round(tokens / secs, 1)
+    secs, _ = ours(model, records, batch_tokens)
+    res["torch_threads_1"] = round(tokens / secs, 1)
+    with mock.patch.object(dump, "torch_threads", lambda n: contextlib.nullcontext()):
+        secs, _ = ours(model, records, batch_tokens)
+    res[f"torch_threads_{torch.get_num_threads()}"] = round(tokens / secs, 1)
     return res
 
 
@@ -121,26 +118,25 @@ def time_split(model, records, batch_tokens: int) -> dict[str, float]:
     import inference_eval.engine.model.linear as lin
 
     acc = {"gemm_s": 0.0, "attention_s": 0.0, "gemm_flops": 0.0}
-    keep_mm, keep_attn = lin._matmul_wt, tb.TorchAttentionPlan._attend_causal
 
-    def mm(x, w, fast):
-        t = time.perf_counter()
-        y = keep_mm(x, w, fast)
-        acc["gemm_s"] += time.perf_counter() - t
+    def timed(fn, key):
+        def run(*args):
+            t = time.perf_counter()
+            y = fn(*args)
+            acc[key] += time.perf_counter() - t
+            return y
+        return run
+
+    gemm = timed(lin._matmul_wt, "gemm_s")
+
+    def mm(x, w, fast):  # x [M, in] @ w[out, in].T
         acc["gemm_flops"] += 2 * x.shape[0] * w.shape[0] * w.shape[1]
-        return y
+        return gemm(x, w, fast)
 
-    def attn(plan, q, k, v):
-        t = time.perf_counter()
-        y = keep_attn(plan, q, k, v)
-        acc["attention_s"] += time.perf_counter() - t
-        return y
-
-    lin._matmul_wt, tb.TorchAttentionPlan._attend_causal = mm, attn
-    try:
+    with mock.patch.object(lin, "_matmul_wt", mm), mock.patch.object(
+            tb.TorchAttentionPlan, "_attend_causal",
+            timed(tb.TorchAttentionPlan._attend_causal, "attention_s")):
         total, _ = ours(model, records, batch_tokens)
-    finally:
-        lin._matmul_wt, tb.TorchAttentionPlan._attend_causal = keep_mm, keep_attn
     return {"total_s": round(total, 2), "gemm_s": round(acc["gemm_s"], 2),
             "gemm_gflops_in_dump": round(acc["gemm_flops"] / max(acc["gemm_s"], 1e-9) / 1e9, 1),
             "attention_s": round(acc["attention_s"], 2),
