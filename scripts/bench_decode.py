@@ -1,8 +1,11 @@
 """Autoregressive decode speed: our engine vs transformers' `generate`, same run.
 
 Same target weights (SmolLM2 by default), dtype, thread count, prompts and token counts;
-greedy with eos ignored so both produce exactly --new-tokens per prompt. Ends with one JSON
-line: {"bench": "decode", "ours_tok_s_bs1": ..., "base_tok_s_bs1": ..., "ratio_bs1": ...}.
+greedy with eos ignored so both produce exactly --new-tokens per prompt. Each side runs every
+batch size --reps times (its own runs back to back, see below); tokens/s is the median over
+them, the best beside it, and the ratio compares medians, so one slow spell of the machine
+does not decide it. Ends with one JSON line: {"bench": "decode", "ours_tok_s_bs1": ...,
+"base_tok_s_bs1": ..., "ratio_bs1": ..., "ours_best_tok_s_bs1": ..., ...}.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import inference_eval  # noqa: F401  (first: its OpenBLAS setting must precede t
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -49,6 +53,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--attention", default="auto")
+    ap.add_argument("--reps", type=int, default=3, help="timed runs per side and batch size")
     ap.add_argument("--compile", action="store_true",
                     help="engine.compile: inductor-compiled decode steps (compiled before timing)")
     args = ap.parse_args()
@@ -80,6 +85,17 @@ def main() -> None:
         sync()
         return time.perf_counter() - t, toks
 
+    def rates(run, groups: list[list[list[int]]]) -> list[float]:
+        """tokens/s of each of --reps runs of `run` over all groups."""
+        out = []
+        for _ in range(args.reps):
+            dt = n_tok = 0
+            for g in groups:
+                t, k = timed(lambda: run(g))  # noqa: B023  (called at once)
+                dt, n_tok = dt + t, n_tok + k
+            out.append(n_tok / dt)
+        return out
+
     with torch.inference_mode():
         eng.generate(ids[:2], SamplingParams(max_new_tokens=4), progress=False)  # warm-up
         hf_generate(hf, tok, ids[:2], 4)
@@ -88,19 +104,17 @@ def main() -> None:
             # Each side runs all its groups back to back: interleaving the two thread pools
             # (ours: OpenBLAS, transformers: OpenMP) makes whichever runs second pay for the
             # other's spinning workers.
-            ours_t = ours_n = base_t = base_n = 0
-            for g in groups:
-                dt, k = timed(lambda: sum(len(r.token_ids) for r in eng.generate(g, params, progress=False)))
-                ours_t, ours_n = ours_t + dt, ours_n + k
-            for g in groups:
-                dt, k = timed(lambda: hf_generate(hf, tok, g, n))
-                base_t, base_n = base_t + dt, base_n + k
-            res[f"ours_tok_s_bs{bs}"] = round(ours_n / ours_t, 2)
-            res[f"base_tok_s_bs{bs}"] = round(base_n / base_t, 2)
-            res[f"ratio_bs{bs}"] = round((ours_n / ours_t) / (base_n / base_t), 3)
+            ours = rates(lambda g: sum(len(r.token_ids) for r in eng.generate(g, params, progress=False)),
+                         groups)
+            base = rates(lambda g: hf_generate(hf, tok, g, n), groups)
+            res[f"ours_tok_s_bs{bs}"] = round(statistics.median(ours), 2)
+            res[f"base_tok_s_bs{bs}"] = round(statistics.median(base), 2)
+            res[f"ratio_bs{bs}"] = round(statistics.median(ours) / statistics.median(base), 3)
+            res[f"ours_best_tok_s_bs{bs}"] = round(max(ours), 2)
+            res[f"base_best_tok_s_bs{bs}"] = round(max(base), 2)
     print(json.dumps({"bench": "decode", "target": loaded.identity["name"], "device": args.device,
                       "dtype": args.dtype, "threads": args.threads, "new_tokens": n,
-                      "compile": args.compile, **res}))
+                      "compile": args.compile, "reps": args.reps, **res}))
 
 
 if __name__ == "__main__":

@@ -82,6 +82,9 @@ def main(argv: list[str]) -> None:
     else:
         save_final_head(full, out, extra={"train": {"steps": tc.max_steps, "strategy": "fsdp"}})
     logger.close()
+    # Both ranks leave together: a rank that tore its group down while the other was still
+    # in its last collective ended, rarely, in "terminate called without an active exception".
+    dist.barrier()
     dist.destroy_process_group()
 
 

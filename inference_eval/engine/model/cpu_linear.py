@@ -24,6 +24,13 @@ prefetch the weight blocks ahead of it (cpu_linear.cpp), ms:
     MKL            21.4   24.2   26.7   41.4   51.9   54.9
     oneDNN         30.1   27.7   29.2   30.2   33.9   41.0
 
+The same EPYC in a later session, after each tile of a block took its share of the prefetch
+(cpu_linear.cpp), ms:
+
+    rows              1      2      3      5      8     16
+    kernel         15.7   15.4   17.0   16.7   18.6   21.6
+    oneDNN         18.3   15.7   17.9   16.2   20.1   22.9
+
 oneDNN ties it from 4 rows on but is 1.6x slower for one row, the batch-1 decode step, and
 wants its weights re-laid-out per row count; inductor's CPU GEMM template (compiled.py) ties
 it at 1-4 rows and takes a second pass over the weights from 5.
