@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 import torch
 
 from inference_eval.engine.attention import AttentionBackend, BatchLayout
+from inference_eval.engine.model.linear import openblas_threads
 from inference_eval.engine.model.transformer import TransformerLM
 from inference_eval.engine.threads import torch_threads
 from precompute.data import TokenizedRecord
@@ -41,12 +42,12 @@ def build_shard(model: TransformerLM, backend: AttentionBackend, records: Sequen
     hidden = torch.empty(total, h, dtype=store)
     aux = torch.empty(total, len(aux_layers), h, dtype=store) if aux_layers else None
     device = next(model.parameters()).device
-    # With the OpenBLAS path (CPU fp32) torch's OpenMP pool spins beside OpenBLAS's threads and
-    # both slow down. Measured on 2 cores, SmolLM2, first 8 ShareGPT chats: 128 tok/s with
+    # Where OpenBLAS runs the products (CPU fp32), torch's OpenMP pool spins beside its threads
+    # and both slow down. Measured on 2 cores, SmolLM2, first 8 ShareGPT chats: 128 tok/s with
     # torch at 1 thread vs 89 at 2 (bench_precompute.py --threads-check 8; 186 vs 112 on 16
-    # chats). So torch gets one thread here, as in LLMEngine.step; the GEMMs, most of the
-    # work, still run on every core.
-    with torch_threads(1 if model.cpu_blas and device.type == "cpu" else None):
+    # chats). So torch gets one thread there, as in LLMEngine.step (linear.openblas_threads);
+    # the GEMMs, most of the work, still run on every core.
+    with torch_threads(openblas_threads(model.cpu_blas and device.type == "cpu")):
         for batch in plan_batches(range(len(records)), lengths, batch_tokens):
             ids = torch.tensor([t for i in batch for t in records[i].input_ids],
                                dtype=torch.long, device=device)

@@ -14,7 +14,8 @@ The records are cut into --groups contiguous groups (like shards); each group ru
 sides back to back, alternating which goes first, so load from other users of a shared
 machine falls on both alike.
 The roofline: the same run times, on the target's own layer shapes at --batch-tokens rows,
-the machine's fp32 GEMM through the path precompute uses (OpenBLAS via numpy), and divides
+the machine's fp32 GEMM through each path precompute can use (the engine's kernel,
+cpu_linear, and OpenBLAS via numpy), takes the faster, and divides
 it into the model's matmul FLOPs per token (2 x the layer weights, plus attention's
 4 x layers x hidden x mean context); ours is reported as a fraction of that. --split dumps
 the first group once more with timers on the products and on attention and prints the time
@@ -39,6 +40,7 @@ import torch
 
 import precompute.dump as dump
 from inference_eval.engine.attention import make_backend
+from inference_eval.engine.model import cpu_linear
 from inference_eval.engine.model.linear import set_cpu_blas
 from inference_eval.engine.target import TargetConfig, load_target
 from precompute.data import DataConfig, load_conversations, tokenize_conversations
@@ -46,23 +48,34 @@ from precompute.plan import plan_batches
 from precompute.shard_io import write_shard
 
 
-def gemm_roofline(model, rows: int, reps: int = 3) -> float:
-    """GFLOP/s of OpenBLAS fp32 GEMMs [rows, in] x [in, out] over one layer's weights."""
+def gemm_roofline(model, rows: int, reps: int = 3) -> dict[str, float]:
+    """GFLOP/s of fp32 products [rows, in] x [in, out] over one layer's weights, through each
+    path the dump can take: the engine's kernel (cpu_linear, when built) and OpenBLAS (numpy).
+    The kernel runs first: OpenBLAS's threads spin for a while after their calls."""
     import numpy as np
 
     layer = model.layers[0]
-    weights = [m.weight.detach() for m in layer.modules() if isinstance(m, torch.nn.Linear)]
-    xs = {w.shape[1]: np.random.default_rng(0).standard_normal((rows, w.shape[1]), np.float32)
-          for w in weights}
+    weights = [m.weight.detach().contiguous() for m in layer.modules()
+               if isinstance(m, torch.nn.Linear)]
+    xs = {w.shape[1]: torch.from_numpy(np.random.default_rng(0).standard_normal(
+        (rows, w.shape[1]), np.float32)) for w in weights}
     wts = [np.ascontiguousarray(w.t().numpy()) for w in weights]
     flops = sum(2 * rows * w.shape[0] * w.shape[1] for w in weights)
-    best = float("inf")
-    for _ in range(reps + 1):
-        t = time.perf_counter()
-        for wt in wts:
-            np.matmul(xs[wt.shape[0]], wt)
-        best = min(best, time.perf_counter() - t)
-    return flops / best / 1e9
+    paths = {"openblas": lambda: [np.matmul(xs[wt.shape[0]].numpy(), wt) for wt in wts]}
+    if cpu_linear.kernel() is not None:
+        threads = torch.get_num_threads()
+        paths = {"kernel": lambda: [cpu_linear.kernel().small_linear(xs[w.shape[1]], w, None,
+                                                                     threads)
+                                    for w in weights], **paths}
+    res = {}
+    for name, run in paths.items():
+        best = float("inf")
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t)
+        res[name] = flops / best / 1e9
+    return res
 
 
 def flops_per_token(model, mean_context: float) -> float:
@@ -98,12 +111,13 @@ def base(hf, records, batch_size: int, pad_id: int) -> float:
 
 
 def threads_check(model, records, batch_tokens: int) -> dict[str, float]:
-    """tok/s of build_shard with torch at 1 thread (what dump.py does) and at the process
-    default (dump's thread switch disabled), on the same records."""
+    """tok/s of build_shard with dump.py's thread setting (torch at 1 thread where OpenBLAS
+    runs products, see linear.openblas_threads) and at the process default (dump's thread
+    switch disabled), on the same records."""
     res = {}
     tokens = sum(len(r.input_ids) for r in records)
     secs, _ = ours(model, records, batch_tokens)
-    res["torch_threads_1"] = round(tokens / secs, 1)
+    res["dump_setting"] = round(tokens / secs, 1)
     with mock.patch.object(dump, "torch_threads", lambda n: contextlib.nullcontext()):
         secs, _ = ours(model, records, batch_tokens)
     res[f"torch_threads_{torch.get_num_threads()}"] = round(tokens / secs, 1)
@@ -111,9 +125,10 @@ def threads_check(model, records, batch_tokens: int) -> dict[str, float]:
 
 
 def time_split(model, records, batch_tokens: int) -> dict[str, float]:
-    """Where the dump's time goes: seconds in the OpenBLAS products (linear._matmul_wt, and
-    their GFLOP/s), in attention (the backend's causal path), and the rest (norms, rope,
-    SwiGLU, residuals, copies), over one more dump of `records` with timers around both."""
+    """Where the dump's time goes: seconds in the products (linear.matmul_wt: the kernel or
+    OpenBLAS, and their GFLOP/s), in attention (the backend's causal path), and the rest
+    (norms, rope, SwiGLU, residuals, copies), over one more dump of `records` with timers
+    around both."""
     import inference_eval.engine.attention.torch_backend as tb
     import inference_eval.engine.model.linear as lin
 
@@ -127,13 +142,13 @@ def time_split(model, records, batch_tokens: int) -> dict[str, float]:
             return y
         return run
 
-    gemm = timed(lin._matmul_wt, "gemm_s")
+    gemm = timed(lin.matmul_wt, "gemm_s")
 
-    def mm(x, w, fast):  # x [M, in] @ w[out, in].T
+    def mm(x, w, fast, bias=None):  # x [M, in] @ w[out, in].T
         acc["gemm_flops"] += 2 * x.shape[0] * w.shape[0] * w.shape[1]
-        return gemm(x, w, fast)
+        return gemm(x, w, fast, bias)
 
-    with mock.patch.object(lin, "_matmul_wt", mm), mock.patch.object(
+    with mock.patch.object(lin, "matmul_wt", mm), mock.patch.object(
             tb.TorchAttentionPlan, "_attend_causal",
             timed(tb.TorchAttentionPlan._attend_causal, "attention_s")):
         total, _ = ours(model, records, batch_tokens)
@@ -208,12 +223,15 @@ def main() -> None:
     print(f"ours: {tokens / secs_ours:.1f} tok/s ({secs_ours:.1f} s); "
           f"base: {tokens / secs_base:.1f} tok/s ({secs_base:.1f} s)", flush=True)
     with torch.inference_mode():
-        gflops = gemm_roofline(model, args.batch_tokens)
+        by_path = gemm_roofline(model, args.batch_tokens)
+    gflops = max(by_path.values())  # the fastest fp32 GEMM this machine has for these shapes
     # Causal attention: a token attends to half its sequence on average.
     ctx = sum(len(r.input_ids) ** 2 for r in records) / (2 * tokens)
     roof = gflops * 1e9 / flops_per_token(model, ctx)
-    print(f"roofline: {gflops:.1f} GFLOP/s of OpenBLAS fp32 GEMM on the layer shapes -> "
-          f"{roof:.1f} tok/s; ours at {tokens / secs_ours / roof:.0%} of it", flush=True)
+    paths = ", ".join(f"{k} {v:.1f}" for k, v in by_path.items())
+    print(f"roofline: {gflops:.1f} GFLOP/s, the faster fp32 GEMM on the layer shapes ({paths}) "
+          f"-> {roof:.1f} tok/s; ours at {tokens / secs_ours / roof:.0%} of it", flush=True)
+    extra["gemm_gflops_by_path"] = {k: round(v, 1) for k, v in by_path.items()}
     if args.split:
         extra["split"] = time_split(model, groups[0], args.batch_tokens)
         sp = extra["split"]

@@ -18,7 +18,7 @@ from inference_eval.engine.attention import BatchLayout, make_backend
 from inference_eval.engine.config import EngineConfig
 from inference_eval.engine.kv_cache import KVCache
 from inference_eval.engine.model.compiled import CompiledSteps
-from inference_eval.engine.model.linear import set_cpu_blas
+from inference_eval.engine.model.linear import openblas_threads, set_cpu_blas
 from inference_eval.engine.model.transformer import TransformerLM
 from inference_eval.engine.page_allocator import PageAllocator
 from inference_eval.engine.prompt_encoding import encode_prompt
@@ -116,11 +116,9 @@ class LLMEngine:
 
     @contextmanager
     def step_threads(self):
-        """The thread setting every step runs under (benchmarks time steps under it too).
-        With the CPU BLAS path, OpenBLAS runs the one-row GEMMs on its own threads; torch's
-        OpenMP pool spinning beside it halves decode speed (measured), and the remaining
-        torch ops are tiny at decode."""
-        with torch_threads(1 if self.cpu_blas else None):
+        """The thread setting every step runs under (benchmarks time steps under it too):
+        linear.openblas_threads, 1 where OpenBLAS runs some of the step's products."""
+        with torch_threads(openblas_threads(self.cpu_blas)):
             yield
 
     def _step(self) -> list[Request]:

@@ -1,7 +1,8 @@
 """torch's intra-op thread count, set for a block and restored after it.
 
-CPU fp32 steps keep torch at one thread beside OpenBLAS's own (llm_engine.step_threads,
-precompute/dump.py), compiled kernels run at the count they were compiled for
+CPU fp32 steps keep torch at one thread where OpenBLAS runs some of their products
+(linear.openblas_threads, used by llm_engine.step_threads and precompute/dump.py), compiled
+kernels run at the count they were compiled for
 (model/compiled.py), and long causal attention calls take the backend's count
 (attention/torch_backend.py): all four switch through this one helper.
 """

@@ -89,6 +89,20 @@ def test_paged_kernel_matches_float64_reference_and_general_path(q_lens, kv_lens
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("q_lens,kv_lens,heads,kvh,d", CASES)
+def test_kernel_threads_change_no_bit(q_lens, kv_lens, heads, kvh, d):
+    # Engine steps pass their thread count explicitly (torch's own is 1 inside them); how the
+    # requests and kv heads are split between threads must not change the result.
+    layout = scattered_layout(q_lens, kv_lens)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(sum(q_lens), n, d, generator=g) for n in (heads, kvh, kvh))
+    outs = []
+    for threads in (1, 2, 3):
+        plan = TorchAttentionPlan(layout, "cpu", paged_kernel=True, threads=threads)
+        outs.append(plan.attend(0, q, k, v, filled_cache(kvh, d)))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_other_dtypes_take_the_general_path():
     layout = scattered_layout([1, 2], [9, 14])
     g = torch.Generator().manual_seed(3)

@@ -1,6 +1,7 @@
-"""The small-row CPU kernel (inference_eval/engine/model/cpu_linear.{py,cpp}): every row count
-it takes, with and without bias, on any thread count, equals a float64 product; it is used
-exactly where applies() says, in eager steps and inside compiled graphs."""
+"""The CPU kernel (inference_eval/engine/model/cpu_linear.{py,cpp}): every row count, a few
+rows or many in chunks, with and without bias, on any thread count, equals a float64
+product; it is used exactly where applies() says (up to the row count that won the race
+against OpenBLAS), in eager steps and inside compiled graphs."""
 from __future__ import annotations
 
 import pytest
@@ -24,27 +25,45 @@ def weights(out, inn, seed):
     return torch.randn(out, inn, generator=g), torch.randn(out, generator=g)
 
 
-@pytest.mark.parametrize("rows", list(range(0, 9)) + [11, 16])
+# Past 128 rows (the chunk, cpu_linear.cpp) a product runs chunk by chunk: 129 and 257 leave
+# one row, 130 two, 300 a chunk of 44 after two full ones.
+@pytest.mark.parametrize("rows", list(range(0, 9)) + [11, 16, 47, 128, 129, 130, 257, 300])
 @pytest.mark.parametrize("out,inn", [(8, 16), (96, 64), (200, 576)])
 def test_every_row_count_matches_float64(width, rows, out, inn):
     w, b = weights(out, inn, rows)
     x = torch.randn(rows, inn, generator=torch.Generator().manual_seed(rows + 100))
     ref = x.double() @ w.double().t()
     with torch.inference_mode():
-        assert cpu_linear.applies(x, w)
-        got = cpu_linear.linear(x, w)
-        got_b = cpu_linear.linear(x, w, b)
+        assert cpu_linear.applies(x, w) == (rows <= cpu_linear.max_rows())
+        got = cpu_linear.kernel().small_linear(x, w, None, 2)
+        got_b = cpu_linear.kernel().small_linear(x, w, b, 2)
     assert got.shape == (rows, out) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(got_b.double(), ref + b.double(), rtol=1e-5, atol=1e-4)
 
 
-def test_threads_split_rows_without_changing_a_bit(width):
+@pytest.mark.parametrize("rows", [5, 300])
+def test_threads_split_rows_without_changing_a_bit(width, rows):
     w, b = weights(1024, 576, 0)  # 128 blocks of 8 outputs: both thread counts split them
-    x = torch.randn(5, 576)
+    x = torch.randn(rows, 576)
     kern = cpu_linear.kernel()
     one, two = kern.small_linear(x, w, b, 1), kern.small_linear(x, w, b, 2)
     assert torch.equal(one, two)
+
+
+def test_race_keeps_the_kernel_as_far_as_it_wins(monkeypatch):
+    # Timings by row count (seconds); the kernel serves SMALL_ROWS whatever they say.
+    small, big = cpu_linear.RACE_ROWS
+    pick = cpu_linear.pick_max_rows
+    assert pick({small: 1.0, big: 5.0}, {small: 2.0, big: 9.0}) == cpu_linear.ALL_ROWS
+    assert pick({small: 1.0, big: 9.0}, {small: 2.0, big: 5.0}) == small
+    assert pick({small: 3.0, big: 1.0}, {small: 2.0, big: 5.0}) == cpu_linear.SMALL_ROWS
+    # Measured here: whatever it picked, applies() follows it.
+    with torch.inference_mode():
+        past = torch.randn(cpu_linear.SMALL_ROWS + 1, 64)
+        assert cpu_linear.applies(past, torch.randn(96, 64)) == (
+            cpu_linear.max_rows() > cpu_linear.SMALL_ROWS)
+    assert cpu_linear.serves_all_rows() == (cpu_linear.max_rows() == cpu_linear.ALL_ROWS)
 
 
 def test_applies_only_where_the_kernel_can_run(width):
@@ -52,7 +71,6 @@ def test_applies_only_where_the_kernel_can_run(width):
     x = torch.randn(4, 64)
     with torch.inference_mode():
         assert cpu_linear.applies(x, w)
-        assert not cpu_linear.applies(torch.randn(cpu_linear.SMALL_ROWS + 1, 64), w)
         assert not cpu_linear.applies(x.double(), w.double())
         assert not cpu_linear.applies(x, w.t().contiguous().t())  # not [out, in] contiguous
         assert not cpu_linear.applies(torch.randn(4, 72), torch.randn(96, 72))  # in % 16
@@ -66,7 +84,7 @@ def test_linear_layers_take_it_and_fall_back(width):
     lin = Linear(64, 96, bias=True)
     set_cpu_blas(lin, True)
     with torch.inference_mode():
-        for rows in (1, 5, 16, 17, 40):  # the kernel, then OpenBLAS past SMALL_ROWS
+        for rows in (1, 5, 16, 17, 40, 300):  # the kernel, then whichever won the race
             x = torch.randn(rows, 64)
             torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
         odd = torch.randn(72, 64)  # out % 8 != 0: the fallback

@@ -2,7 +2,7 @@
 // CPU, fp32: no gather of the history, no padding to the longest request, no mask tensor.
 // See cpu_paged.py for why it exists and when the torch backend calls it.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -80,7 +80,8 @@ inline void prefetch(const float* p, int64_t n) {
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
                               torch::Tensor slots, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor cu_q,
-                              torch::Tensor kv_lens, int64_t page_size, double scale) {
+                              torch::Tensor kv_lens, int64_t page_size, double scale,
+                              int64_t threads) {
   for (const auto& t : {q, k_new, v_new, k_cache, v_cache})
     TORCH_CHECK(t.scalar_type() == torch::kFloat32, "paged_attention: fp32 only");
   TORCH_CHECK(k_new.is_contiguous() && v_new.is_contiguous() && slots.is_contiguous() &&
@@ -115,14 +116,21 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_new, torch::Tenso
   // A task is one request's kv heads [h0, h0 + hs): every head (hs = KVH) when there are
   // requests enough to keep the threads busy, so each key and value row is read whole and
   // in order; one kv head per task otherwise (batch 1 still splits over the threads).
-  const int64_t hs = B >= 2 * at::get_num_threads() ? KVH : 1;
+  // `threads` is explicit (not torch's setting): engine steps keep torch at one thread
+  // beside the BLAS, which left this kernel serial (a batch-64 decode step: 39 ms of 209).
+  const int64_t hs = B >= 2 * threads ? KVH : 1;
+  const int64_t tasks = B * (KVH / hs);
   const int64_t HS = hs * G;  // query heads per task and query row
   auto slot_of = [&](int64_t b, int64_t j) {
     return bt[b * P + j / page_size] * page_size + j % page_size;
   };
-  at::parallel_for(0, B * (KVH / hs), 1, [&](int64_t begin, int64_t end) {
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+#pragma omp parallel num_threads(nt)
+  {
     std::vector<float> scores, acc;
-    for (int64_t task = begin; task < end; ++task) {
+    // Tasks differ in length (each request's own history), so threads take them as they go.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / (KVH / hs), h0 = task % (KVH / hs) * hs;
       const int64_t q0 = cu[b], nq = cu[b + 1] - cu[b], n = kl[b], ctx = n - nq;
       const int64_t R = nq * HS;  // row r = i * HS + (h - h0) * G + g
@@ -161,7 +169,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_new, torch::Tenso
       for (int64_t i = 0; i < nq; ++i)
         std::copy_n(acc.data() + i * HS * D, HS * D, op + ((q0 + i) * H + h0 * G) * D);
     }
-  });
+  }
   return out;
 }
 

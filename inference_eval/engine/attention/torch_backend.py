@@ -178,7 +178,7 @@ class TorchAttentionPlan:
                     # The kernel appends this step's rows itself.
                     return cpu_paged.paged_attention(q, k, v, self.slots, kc.view(-1, kvh, d),
                                                      vc.view(-1, kvh, d), *self.paged,
-                                                     self.layout.page_size)
+                                                     self.layout.page_size, self.threads or 1)
                 if not self.gathered:  # another dtype than the kernel's: the general path
                     self._plan_gathered()
             # 2-D row views: index ops on [slots, kvh * d] run ~2x faster than on 3-D.

@@ -1,4 +1,4 @@
-"""Small-row fp32 matrix products on CPU that read each weight once (cpu_linear.cpp).
+"""fp32 matrix products on CPU that read each weight once per 128 rows (cpu_linear.cpp).
 
 A batch-1 decode step pushes one row through every weight (SmolLM2: 540 MB a step), a
 verification K + 1 rows, a small decode batch B rows: at these row counts a product is a
@@ -35,7 +35,13 @@ oneDNN ties it from 4 rows on but is 1.6x slower for one row, the batch-1 decode
 wants its weights re-laid-out per row count; inductor's CPU GEMM template (compiled.py) ties
 it at 1-4 rows and takes a second pass over the weights from 5.
 
-The engine uses it for CPU fp32 inference products of up to SMALL_ROWS rows
+Past a few rows the same tiles are compute-bound, and chunks of 128 rows (x stays in L2
+while every block of the weight reads it) kept the kernel ahead of OpenBLAS on the EPYC at
+every size measured, 48 to 4096 rows (scripts/bench_precompute.py's roofline: 345 vs 210
+GFLOP/s at 4096 rows on one SmolLM2 layer). On machines where OpenBLAS is faster there
+(the 2-core Xeon's ran 280 GFLOP/s at 2048 rows), max_rows() keeps it for the larger sizes.
+
+The engine uses it for CPU fp32 inference products of up to max_rows() rows
 (linear.matmul_wt), eager steps and compiled ones alike (in a compiled graph through the op
 `specheads::small_linear`, registered by the kernel itself, which inductor calls as an
 external kernel while it still fuses the step's elementwise work). Built once per machine
@@ -44,14 +50,19 @@ external kernel while it still fuses the step's elementwise work). Built once pe
 from __future__ import annotations
 
 import functools
+import time
 from pathlib import Path
 
+import numpy as np  # the BLAS that linear.py runs the larger products on
 import torch
 
 from inference_eval.engine import native
 
 SMALL_ROWS = 16
-_state = {"width": 0, "threads": 1}  # floats per vector of the built kernel (0: not built)
+_state = {"width": 0, "threads": 1, "max_rows": SMALL_ROWS}  # floats per vector of the built kernel (0: not built)
+# Row counts at which many_rows() races the kernel against OpenBLAS (its own threads).
+RACE_ROWS = (48, 512)
+ALL_ROWS = 1 << 62  # max_rows() when the kernel won the race at every size
 
 
 @functools.cache
@@ -69,14 +80,62 @@ def kernel():
 def enable(threads: int) -> bool:
     """Build (once) and use the kernel with `threads` threads; whether it is available."""
     _state["threads"] = max(1, threads)
+    _state["max_rows"] = max_rows()
     return kernel() is not None
+
+
+@functools.cache
+def max_rows() -> int:
+    """Up to how many rows products run in the kernel: always SMALL_ROWS (where one pass
+    over the weight is the point); beyond that, as far as it beat OpenBLAS when raced once
+    per process on three SmolLM2 layer shapes at RACE_ROWS rows (best of 3). On the 2-core
+    EPYC (Zen 5) the kernel, in chunks of 128 rows, ran them at 275-330 GFLOP/s from 48 to
+    2048 rows against OpenBLAS's 157-209 (a whole step's products: 250-290 vs 100-195), so
+    it serves every size there; a machine whose BLAS wins keeps it for the larger products.
+    All kernel runs come first: OpenBLAS's threads spin for a while after each call and
+    would slow the kernel's (its own OpenMP threads) measured beside them."""
+    if kernel() is None:
+        return SMALL_ROWS
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=gen) for o, i in ((3072, 576), (576, 1536), (960, 576))]
+    xs = {m: [torch.randn(m, w.shape[1], generator=gen) for w in weights] for m in RACE_ROWS}
+    ours = {m: _best_of(3, lambda: [kernel().small_linear(x, w, None, _state["threads"])
+                                    for x, w in zip(xs[m], weights)]) for m in RACE_ROWS}
+    blas = {m: _best_of(3, lambda: [np.matmul(x.numpy(), w.t().numpy())
+                                    for x, w in zip(xs[m], weights)]) for m in RACE_ROWS}
+    return pick_max_rows(ours, blas)
+
+
+def pick_max_rows(ours: dict[int, float], blas: dict[int, float]) -> int:
+    """The race's verdict from seconds by row count (RACE_ROWS): the kernel keeps each size
+    up to the first it lost; winning the largest, it keeps every size (ALL_ROWS)."""
+    rows = SMALL_ROWS
+    for m in RACE_ROWS:
+        if ours[m] > blas[m]:
+            break
+        rows = m if m < RACE_ROWS[-1] else ALL_ROWS
+    return rows
+
+
+def serves_all_rows() -> bool:
+    """Whether CPU fp32 inference products of every size run in the kernel (no OpenBLAS)."""
+    return kernel() is not None and max_rows() == ALL_ROWS
+
+
+def _best_of(n: int, fn) -> float:
+    best = float("inf")
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x [M, in] @ weight[out, in].T runs in the kernel: built, CPU fp32 inference,
-    M <= SMALL_ROWS, a contiguous weight whose dims fit the kernel's vectors."""
+    M <= max_rows(), a contiguous weight whose dims fit the kernel's vectors."""
     w = _state["width"]
-    return (w > 0 and x.dim() == 2 and x.shape[0] <= SMALL_ROWS and x.device.type == "cpu"
+    return (w > 0 and x.dim() == 2 and x.shape[0] <= _state["max_rows"] and x.device.type == "cpu"
             and x.dtype == torch.float32 and weight.dtype == torch.float32
             and weight.is_contiguous() and weight.shape[1] % w == 0 and weight.shape[0] % 8 == 0
             and not torch.is_grad_enabled())

@@ -3,9 +3,11 @@
 On CPU in fp32 inference (`cpu_blas` on) a product of up to cpu_linear.SMALL_ROWS rows (decode,
 verification, draft steps, a prefill's last-row logits) runs in the engine's own kernel,
 which reads each weight once for all rows (cpu_linear.py has the measurements); larger ones
-(prefill, precompute, batched decode) go to numpy's matmul (OpenBLAS): torch's MKL kernels
-run 2-3x slower on AMD CPUs (a [M, 576] x [576, 3072] product over 60 weights on a 2-core
-EPYC: M=64 304 ms MKL vs 141 OpenBLAS). Where the kernel cannot be built, small row counts
+(prefill, precompute, batched decode) too, in chunks of 128 rows, where the kernel beat
+OpenBLAS in a race run once per process (cpu_linear.max_rows(): on the 2-core EPYC it wins
+at every size), else numpy's matmul (OpenBLAS): torch's MKL kernels run 2-3x slower on AMD
+CPUs (a [M, 576] x [576, 3072] product over 60 weights on a 2-core EPYC: M=64 304 ms MKL vs
+141 OpenBLAS). Where the kernel cannot be built, small row counts
 run as one OpenBLAS GEMV per row (see gemv_rows). Training and every other device/dtype use
 F.linear. Weights keep torch's [out, in] row-major layout, which the kernel streams and
 OpenBLAS reads transposed without a copy.
@@ -64,6 +66,16 @@ def _matmul_wt(x: torch.Tensor, weight: torch.Tensor, fast: bool) -> torch.Tenso
             return torch.from_numpy(out)
         return torch.from_numpy(np.matmul(xs, wt))
     return F.linear(x, weight)
+
+
+def openblas_threads(cpu_blas: bool) -> int | None:
+    """torch's thread count inside CPU fp32 inference steps (None: leave it). Where OpenBLAS
+    runs some of the products, its threads spin for a while after each call, and torch's
+    OpenMP pool spinning beside them halved decode speed (measured): torch gets 1 thread.
+    Where the kernel serves every row count (cpu_linear.max_rows()), there is no OpenBLAS
+    to contend with, and the step's other ops take every core (a batch-64 self-distillation
+    run on the 2-core EPYC: 290 -> 348 tok/s, its prefills 10.1 -> 8.5 s)."""
+    return None if not cpu_blas or cpu_linear.serves_all_rows() else 1
 
 
 class Linear(nn.Linear):
