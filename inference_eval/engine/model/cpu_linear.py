@@ -59,8 +59,9 @@ import torch
 from inference_eval.engine import native
 
 SMALL_ROWS = 16
-_state = {"width": 0, "threads": 1, "max_rows": SMALL_ROWS}  # floats per vector of the built kernel (0: not built)
-# Row counts at which many_rows() races the kernel against OpenBLAS (its own threads).
+# width: floats per vector of the built kernel (0: not built); max_rows: max_rows() once enabled.
+_state = {"width": 0, "threads": 1, "max_rows": SMALL_ROWS}
+# Row counts at which max_rows() races the kernel against OpenBLAS (its own threads).
 RACE_ROWS = (48, 512)
 ALL_ROWS = 1 << 62  # max_rows() when the kernel won the race at every size
 
