@@ -117,7 +117,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_new, torch::Tenso
   // requests enough to keep the threads busy, so each key and value row is read whole and
   // in order; one kv head per task otherwise (batch 1 still splits over the threads).
   // `threads` is explicit (not torch's setting): engine steps keep torch at one thread
-  // beside the BLAS, which left this kernel serial (a batch-64 decode step: 39 ms of 209).
+  // beside the BLAS, which left this kernel serial (a batch-64 decode step: 40 ms of 254).
   const int64_t hs = B >= 2 * threads ? KVH : 1;
   const int64_t tasks = B * (KVH / hs);
   const int64_t HS = hs * G;  // query heads per task and query row
