@@ -50,32 +50,19 @@ from precompute.shard_io import write_shard
 
 def gemm_roofline(model, rows: int, reps: int = 3) -> dict[str, float]:
     """GFLOP/s of fp32 products [rows, in] x [in, out] over one layer's weights, through each
-    path the dump can take: the engine's kernel (cpu_linear, when built) and OpenBLAS (numpy).
-    The kernel runs first: OpenBLAS's threads spin for a while after their calls."""
+    path the dump can take: the engine's kernel (cpu_linear, when built; timed first, see
+    cpu_linear.time_paths) and OpenBLAS (numpy)."""
     import numpy as np
 
     layer = model.layers[0]
     weights = [m.weight.detach().contiguous() for m in layer.modules()
                if isinstance(m, torch.nn.Linear)]
-    xs = {w.shape[1]: torch.from_numpy(np.random.default_rng(0).standard_normal(
-        (rows, w.shape[1]), np.float32)) for w in weights}
-    wts = [np.ascontiguousarray(w.t().numpy()) for w in weights]
+    rng = np.random.default_rng(0)
+    pairs = [(torch.from_numpy(rng.standard_normal((rows, w.shape[1]), np.float32)), w)
+             for w in weights]
     flops = sum(2 * rows * w.shape[0] * w.shape[1] for w in weights)
-    paths = {"openblas": lambda: [np.matmul(xs[wt.shape[0]].numpy(), wt) for wt in wts]}
-    if cpu_linear.kernel() is not None:
-        threads = torch.get_num_threads()
-        paths = {"kernel": lambda: [cpu_linear.kernel().small_linear(xs[w.shape[1]], w, None,
-                                                                     threads)
-                                    for w in weights], **paths}
-    res = {}
-    for name, run in paths.items():
-        best = float("inf")
-        for _ in range(reps + 1):
-            t = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - t)
-        res[name] = flops / best / 1e9
-    return res
+    secs = cpu_linear.time_paths({"layer": pairs}, reps + 1)
+    return {name: flops / by_case["layer"] / 1e9 for name, by_case in secs.items()}
 
 
 def flops_per_token(model, mean_context: float) -> float:

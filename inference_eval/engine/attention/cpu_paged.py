@@ -45,4 +45,4 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     < kv_len - q_len + i + 1. threads: the kernel's own count (engine steps hold torch's at 1)."""
     return kernel().paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), slots,
                                     k_cache, v_cache, block_tables, cu_q, kv_lens, page_size,
-                                    q.shape[-1] ** -0.5, max(1, threads))
+                                    q.shape[-1] ** -0.5, threads)

@@ -59,7 +59,8 @@ import torch
 from inference_eval.engine import native
 
 SMALL_ROWS = 16
-# width: floats per vector of the built kernel (0: not built); max_rows: max_rows() once enabled.
+# width: floats per vector of the built kernel (0: not built); max_rows: max_rows() once
+# enabled, kept as a plain value because applies() runs per product and inside compiled graphs.
 _state = {"width": 0, "threads": 1, "max_rows": SMALL_ROWS}
 # Row counts at which max_rows() races the kernel against OpenBLAS (its own threads).
 RACE_ROWS = (48, 512)
@@ -92,19 +93,30 @@ def max_rows() -> int:
     per process on three SmolLM2 layer shapes at RACE_ROWS rows (best of 3). On the 2-core
     EPYC (Zen 5) the kernel, in chunks of 128 rows, ran them at 275-330 GFLOP/s from 48 to
     2048 rows against OpenBLAS's 157-209 (a whole step's products: 250-290 vs 100-195), so
-    it serves every size there; a machine whose BLAS wins keeps it for the larger products.
-    All kernel runs come first: OpenBLAS's threads spin for a while after each call and
-    would slow the kernel's (its own OpenMP threads) measured beside them."""
+    it serves every size there; a machine whose BLAS wins keeps it for the larger products."""
     if kernel() is None:
         return SMALL_ROWS
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen) for o, i in ((3072, 576), (576, 1536), (960, 576))]
-    xs = {m: [torch.randn(m, w.shape[1], generator=gen) for w in weights] for m in RACE_ROWS}
-    ours = {m: _best_of(3, lambda: [kernel().small_linear(x, w, None, _state["threads"])
-                                    for x, w in zip(xs[m], weights)]) for m in RACE_ROWS}
-    blas = {m: _best_of(3, lambda: [np.matmul(x.numpy(), w.t().numpy())
-                                    for x, w in zip(xs[m], weights)]) for m in RACE_ROWS}
-    return pick_max_rows(ours, blas)
+    cases = {m: [(torch.randn(m, w.shape[1], generator=gen), w) for w in weights]
+             for m in RACE_ROWS}
+    secs = time_paths(cases, reps=3)
+    return pick_max_rows(secs["kernel"], secs["openblas"])
+
+
+def time_paths(cases: dict, reps: int) -> dict[str, dict]:
+    """Best-of-`reps` seconds of each case's products (a list of (x [M, in], w [out, in])
+    pairs) through the kernel (where built), at the enabled thread count, and through
+    OpenBLAS (numpy): {"kernel": {case: s}, "openblas": {case: s}}. Every kernel run comes
+    first: OpenBLAS's threads spin for a while after each call and would slow the kernel's
+    measured beside them."""
+    kern, threads = kernel(), _state["threads"]
+    paths = {"openblas": lambda pairs: [np.matmul(x.numpy(), w.t().numpy()) for x, w in pairs]}
+    if kern is not None:
+        paths = {"kernel": lambda pairs: [kern.small_linear(x, w, None, threads)
+                                          for x, w in pairs], **paths}
+    return {name: {key: _best_of(reps, lambda: run(pairs)) for key, pairs in cases.items()}
+            for name, run in paths.items()}
 
 
 def pick_max_rows(ours: dict[int, float], blas: dict[int, float]) -> int:
