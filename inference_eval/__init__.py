@@ -11,3 +11,10 @@ import os
 # loads (with numpy, which `import torch` imports): every entry point imports this package
 # before torch. A user's own setting wins.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+# The other way round: libgomp's idle workers (torch's pool and the engine's kernels) spin
+# ~300k rounds after each parallel region, long enough to take a core from the OpenBLAS GEMM
+# that follows them in a prefill or precompute step: the dump's products ran at 238 GFLOP/s
+# with the default and 286 with 10k rounds (the 2-core Xeon), decode steps (regions tens of
+# microseconds apart) as fast as before (batch 1) or faster (batch 8: 180 -> 203 tok/s).
+# Read when libgomp loads (with torch).
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")

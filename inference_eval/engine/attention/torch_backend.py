@@ -22,7 +22,9 @@ With a [B, max_q, max_kv] boolean mask instead, SDPA computed every block and at
 thread): the masked form of 4 x 1000 tokens 213 ms per layer vs 142 causal, 69 on 2 threads.
 These long calls run on the backend's thread count (torch's setting when it was built):
 the engine and precompute keep torch at 1 thread inside CPU-BLAS steps, but one long SDPA
-call per layer does not contend with OpenBLAS the way many small ops do.
+call per layer does not contend with OpenBLAS the way many small ops do. In fp32 on CPU,
+cpu_causal's kernel replaces that loop with one call for every sequence of the step
+(cpu_causal.py has the measurements); SDPA serves other dtypes and head sizes.
 
 Decode-like fp32 steps on CPU (every request with at most cpu_paged.SMALL_Q new rows, no
 tree mask, several requests or a single row) skip all of the above: cpu_paged's kernel reads
@@ -34,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference_eval.engine.attention import cpu_paged
+from inference_eval.engine.attention import cpu_causal, cpu_paged
 from inference_eval.engine.attention.layout import BatchLayout, page_slots
 from inference_eval.engine.attention.mla_torch import torch_attend_latent
 from inference_eval.engine.threads import torch_threads
@@ -69,7 +71,7 @@ def kv_groups(kv_lens: list[int], group_cost: int = GROUP_COST) -> list[list[int
 class TorchAttentionPlan:
     def __init__(self, layout: BatchLayout, device: torch.device, grouped: bool = True,
                  threads: int | None = None, paged_kernel: bool = False,
-                 group_of_step: bool = False) -> None:
+                 group_of_step: bool = False, causal_kernel: bool = False) -> None:
         # paged_kernel: cpu_paged's kernel is built and the device is the CPU (the backend
         # decides once; see TorchAttentionBackend). group_of_step: this plan serves one kv
         # group of a larger step (below), whose keys the step has already appended, so it is
@@ -92,6 +94,8 @@ class TorchAttentionPlan:
         fresh = (not group_of_step and layout.tree_masks is None
                  and all(q == kv for q, kv in zip(q_lens, kv_lens)))
         self.causal_spans = list(zip(cu[:-1], cu[1:])) if fresh else None
+        # causal_kernel: cpu_causal's kernel is built and the device is the CPU.
+        self.cu_seqlens = torch.tensor(cu, dtype=torch.long) if fresh and causal_kernel else None
         self.slots = layout.slot_mapping(device) if self.cached else None
         self.mask = None
         if fresh:
@@ -210,6 +214,8 @@ class TorchAttentionPlan:
         """Fresh whole sequences: q [T, heads, d], k / v [T, kvh, d] packed -> [T, heads, d],
         one causal SDPA per sequence over its own rows."""
         heads, kvh = q.shape[1], k.shape[1]
+        if self.cu_seqlens is not None and cpu_causal.applies(q, k):
+            return cpu_causal.causal_attention(q, k, v, self.cu_seqlens, self.threads or 1)
         out = q.new_empty(q.shape)
         for s, e in self.causal_spans:
             # [1, heads, n, d] views of the packed rows; SDPA returns a new [1, heads, n, d].
@@ -289,7 +295,10 @@ class TorchAttentionBackend:
         # Decode-like fp32 steps on CPU run cpu_paged's kernel where it can be built; built
         # (once per machine) or loaded here, so that no timed step ever pays for it.
         self.paged_kernel = cpu and cpu_paged.kernel() is not None
+        # Steps of fresh whole sequences (precompute, prompt prefills): cpu_causal's kernel.
+        self.causal_kernel = cpu and cpu_causal.kernel() is not None
 
     def plan(self, layout: BatchLayout) -> TorchAttentionPlan:
         return TorchAttentionPlan(layout, self.device, threads=self.threads,
-                                  paged_kernel=self.paged_kernel)
+                                  paged_kernel=self.paged_kernel,
+                                  causal_kernel=self.causal_kernel)

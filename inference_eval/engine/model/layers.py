@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from inference_eval.engine.model import cpu_fused
 from inference_eval.engine.model.arch import ModelArch
 from inference_eval.engine.model.linear import Linear
 from inference_eval.engine.model.mla import MLAttention
@@ -44,6 +45,8 @@ class AttentionContext(Protocol):
 
 
 class Attention(nn.Module):
+    cpu_blas: bool = False  # the CPU fast path (linear.set_cpu_blas): cpu_fused's rope
+
     def __init__(self, arch: ModelArch, layer: int, in_features: int | None = None) -> None:
         super().__init__()
         self.layer = layer
@@ -62,13 +65,18 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """x [T, in_features] -> [T, H]."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.heads, self.head_dim)
-        k = k.view(t, self.kv_heads, self.head_dim)
-        v = v.view(t, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        qkv = self.qkv_proj(x)
+        if self.cpu_blas and self.q_norm is None and cpu_fused.applies(qkv, ctx.cos):
+            q, k, v = cpu_fused.rope_split(qkv, ctx.cos, ctx.sin, self.heads, self.kv_heads,
+                                           self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(t, self.heads, self.head_dim)
+            k = k.view(t, self.kv_heads, self.head_dim)
+            v = v.view(t, self.kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         out = ctx.attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -95,5 +103,11 @@ class DecoderLayer(nn.Module):
         """x [T, width] -> [T, H]. `residual` [T, H] defaults to x (differs only when widened)."""
         residual = x if residual is None else residual
         h = self.input_layernorm(x) if self.input_layernorm is not None else x
-        h = residual + self.self_attn(h, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(h, ctx)
+        norm = self.post_attention_layernorm
+        if norm.cpu_blas and cpu_fused.applies(a, residual, norm.weight):
+            h, normed = cpu_fused.rms_norm(a, norm.weight, norm.eps, residual)  # one pass
+        else:
+            h = residual + a
+            normed = norm(h)
+        return h + self.mlp(normed)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_eval.engine.model import cpu_linear
+from inference_eval.engine.model import cpu_fused, cpu_linear
 
 
 def use_numpy_blas(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -91,11 +91,13 @@ class Linear(nn.Linear):
 
 def set_cpu_blas(model: nn.Module, enabled: bool) -> None:
     """Turn the CPU fast path on/off for every module of `model` that has one (Linear layers,
-    the model's lm_head product). On, it builds the small-row kernel once (never inside a
-    timed step) for torch's current thread count, and makes Linear and Embedding (the tied
+    the model's lm_head product; norms, attention's rope and the MLP's SwiGLU through
+    cpu_fused). On, it builds both kernels once (never inside a timed step) for torch's
+    current thread count, and makes Linear and Embedding (the tied
     lm_head) weights contiguous [out, in], the layout the kernel streams."""
     if enabled:
         cpu_linear.enable(torch.get_num_threads())
+        cpu_fused.enable(torch.get_num_threads())
     for m in model.modules():
         if hasattr(m, "cpu_blas"):
             m.cpu_blas = enabled
