@@ -12,9 +12,10 @@ import os
 # before torch. A user's own setting wins.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 # The other way round: libgomp's idle workers (torch's pool and the engine's kernels) spin
-# ~300k rounds after each parallel region, long enough to take a core from the OpenBLAS GEMM
-# that follows them in a prefill or precompute step: the dump's products ran at 238 GFLOP/s
-# with the default and 286 with 10k rounds (the 2-core Xeon), decode steps (regions tens of
-# microseconds apart) as fast as before (batch 1) or faster (batch 8: 180 -> 203 tok/s).
+# 300k rounds after each parallel region, long enough to take a core from the OpenBLAS GEMM
+# that follows them in a prefill or precompute step. Measured on the 2-core Xeon (precompute's
+# products inside the dump; bench_spec's batch-1 verification of 2 and 5 tokens): 300k rounds
+# 238 GFLOP/s, 28.8 / 32.4 ms; 100k 265, 29.7 / 33.5; 30k 276-281, 28.8 / 32.3; 10k 286, but
+# 31.4 / 35.2 (workers asleep between the verification's regions, woken each time).
 # Read when libgomp loads (with torch).
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+os.environ.setdefault("GOMP_SPINCOUNT", "30000")
