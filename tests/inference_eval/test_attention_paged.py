@@ -136,7 +136,7 @@ def test_latent_attention_through_the_kernel():
 @pytest.mark.parametrize("layout,uses_kernel", [
     (BatchLayout([1, 1], [5, 9], [[0, 1], [2, 3, 4]], PS), True),               # decode
     (BatchLayout([1], [9], [[4, 2, 7]], PS), True),                              # one row
-    (BatchLayout([3], [9], [[4, 2, 7]], PS), False),  # one request's rows: SDPA batches them
+    (BatchLayout([3], [9], [[4, 2, 7]], PS), True),   # one request's verification rows
     (BatchLayout([2, 1], [5, 9], [[0, 1], [2, 3, 4]], PS,
                  tree_masks=[torch.ones(2, 2, dtype=torch.bool), None]), False),  # tree
     (BatchLayout([4, 9], [4, 9], [[0], [1, 2, 3]], PS), False),       # fresh: causal SDPA
