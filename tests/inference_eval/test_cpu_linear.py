@@ -53,11 +53,12 @@ def test_threads_split_rows_without_changing_a_bit(width, rows):
 
 def test_race_keeps_the_kernel_as_far_as_it_wins(monkeypatch):
     # Timings by row count (seconds); the kernel serves SMALL_ROWS whatever they say.
-    small, big = cpu_linear.RACE_ROWS
+    small, mid, big = cpu_linear.RACE_ROWS
     pick = cpu_linear.pick_max_rows
-    assert pick({small: 1.0, big: 5.0}, {small: 2.0, big: 9.0}) == cpu_linear.ALL_ROWS
-    assert pick({small: 1.0, big: 9.0}, {small: 2.0, big: 5.0}) == small
-    assert pick({small: 3.0, big: 1.0}, {small: 2.0, big: 5.0}) == cpu_linear.SMALL_ROWS
+    assert pick({small: 1.0, mid: 2.0, big: 5.0}, {small: 2.0, mid: 3.0, big: 9.0}) == cpu_linear.ALL_ROWS
+    assert pick({small: 1.0, mid: 2.0, big: 9.0}, {small: 2.0, mid: 3.0, big: 5.0}) == mid
+    assert pick({small: 1.0, mid: 4.0, big: 1.0}, {small: 2.0, mid: 3.0, big: 5.0}) == small
+    assert pick({small: 3.0, mid: 1.0, big: 1.0}, {small: 2.0, mid: 3.0, big: 5.0}) == cpu_linear.SMALL_ROWS
     # Measured here: whatever it picked, applies() follows it.
     with torch.inference_mode():
         past = torch.randn(cpu_linear.SMALL_ROWS + 1, 64)

@@ -62,8 +62,11 @@ SMALL_ROWS = 16
 # width: floats per vector of the built kernel (0: not built); max_rows: max_rows() once
 # enabled, kept as a plain value because applies() runs per product and inside compiled graphs.
 _state = {"width": 0, "threads": 1, "max_rows": SMALL_ROWS}
-# Row counts at which max_rows() races the kernel against OpenBLAS (its own threads).
-RACE_ROWS = (48, 512)
+# Row counts at which max_rows() races the kernel against OpenBLAS (its own threads). 128:
+# the 2-core Xeon's crossover lies between it and 192 (kernel 248-254 GFLOP/s at 64-128 rows
+# against OpenBLAS's 165-212, 245 against 257 at 192, 238 against 275 at 512), so raced at 48
+# and 512 only, its batch-64 decode products went to OpenBLAS.
+RACE_ROWS = (48, 128, 512)
 ALL_ROWS = 1 << 62  # max_rows() when the kernel won the race at every size
 
 
@@ -93,7 +96,8 @@ def max_rows() -> int:
     per process on three SmolLM2 layer shapes at RACE_ROWS rows (best of 3). On the 2-core
     EPYC (Zen 5) the kernel, in chunks of 128 rows, ran them at 275-330 GFLOP/s from 48 to
     2048 rows against OpenBLAS's 157-209 (a whole step's products: 250-290 vs 100-195), so
-    it serves every size there; a machine whose BLAS wins keeps it for the larger products."""
+    it serves every size there; a machine whose BLAS wins keeps it for the larger products
+    (the 2-core Xeon: up to 128 rows in the kernel, OpenBLAS beyond)."""
     if kernel() is None:
         return SMALL_ROWS
     gen = torch.Generator().manual_seed(0)
