@@ -16,18 +16,18 @@ from inference_eval.engine.kv_cache import KVCache
 HEADS, KVH, D, PS = 4, 2, 8, 4
 
 
-def reference(q, k, v, lens):
-    """Per sequence, per head: softmax(q k^T / sqrt(d) + causal) v, in float64."""
-    out, start = [], 0
+def causal_reference(q, k, v, lens):
+    """Per packed sequence, per head: softmax(q k^T / sqrt(d) + causal) v in float64; q
+    [T, heads, d], k / v [T, kv_heads, d] (grouped heads repeated)."""
+    out, start, rep = [], 0, q.shape[1] // k.shape[1]
     for n in lens:
         qs, ks, vs = (x[start:start + n].double() for x in (q, k, v))
-        rep = HEADS // KVH
         ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
-        s = torch.einsum("qhd,khd->hqk", qs, ks) / math.sqrt(D)
+        s = torch.einsum("qhd,khd->hqk", qs, ks) / math.sqrt(q.shape[-1])
         s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
         out.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vs))
         start += n
-    return torch.cat(out).float()
+    return torch.cat(out)
 
 
 def qkv(lens, seed=0):
@@ -45,7 +45,7 @@ def test_packed_causal_matches_reference(lens):
     before = torch.get_num_threads()
     out = plan.attend(0, q, k, v, None)
     assert torch.get_num_threads() == before  # the long span's thread switch is undone
-    torch.testing.assert_close(out, reference(q, k, v, lens), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, causal_reference(q, k, v, lens).float(), rtol=1e-5, atol=1e-5)
 
 
 def test_cached_fresh_prefill_matches_reference_and_writes_the_cache():
@@ -57,7 +57,7 @@ def test_cached_fresh_prefill_matches_reference_and_writes_the_cache():
     assert fresh.causal_spans is not None
     c_fresh = KVCache(1, 8, PS, KVH, D)
     out = fresh.attend(0, q, k, v, c_fresh)
-    torch.testing.assert_close(out, reference(q, k, v, lens), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, causal_reference(q, k, v, lens).float(), rtol=1e-5, atol=1e-5)
     # The general path, reached by handing the same layout a (fully visible) tree mask.
     masks = [torch.ones(n, n, dtype=torch.bool).tril() for n in lens]
     general = TorchAttentionPlan(BatchLayout(lens, lens, tables, PS, tree_masks=masks), "cpu")

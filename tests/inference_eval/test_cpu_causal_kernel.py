@@ -4,14 +4,14 @@ float64 per-sequence causal softmax does, and as the SDPA path it replaces does,
 kernel's block edges (32 query rows, 64 keys, 6-row tiles) and grouped-query shapes."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from inference_eval.engine.attention import BatchLayout, cpu_causal
 from inference_eval.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan
 from inference_eval.engine.kv_cache import KVCache
+
+from test_attention_causal import causal_reference as reference
 
 
 def test_kernel_builds():
@@ -20,19 +20,6 @@ def test_kernel_builds():
     assert cpu_causal.kernel() is not None
     assert TorchAttentionBackend("cpu").causal_kernel
     assert not TorchAttentionBackend("meta").causal_kernel
-
-
-def reference(q, k, v, lens):
-    """Per sequence, per head, in float64: row i sees its keys 0 .. i."""
-    out, at, g = [], 0, q.shape[1] // k.shape[1]
-    for n in lens:
-        qs, ks, vs = (x[at:at + n].double() for x in (q, k, v))
-        ks, vs = ks.repeat_interleave(g, 1), vs.repeat_interleave(g, 1)
-        s = torch.einsum("qhd,khd->hqk", qs, ks) / math.sqrt(q.shape[-1])
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-        out.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vs))
-        at += n
-    return torch.cat(out)
 
 
 def rows(lens, heads, kvh, d, seed=0, scale=1.0):

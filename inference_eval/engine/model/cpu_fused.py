@@ -72,6 +72,5 @@ def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
                kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [T, (heads + 2 kv_heads) d], cos / sin [T, d] (rotate-half layout) -> q [T, heads,
     d] and k [T, kv_heads, d] rotated, v [T, kv_heads, d]; all three contiguous."""
-    q, k, v = kernel().rope_split(qkv, cos.contiguous(), sin.contiguous(), heads, kv_heads,
-                                  head_dim, _state["threads"])
-    return q, k, v
+    return tuple(kernel().rope_split(qkv, cos.contiguous(), sin.contiguous(), heads, kv_heads,
+                                     head_dim, _state["threads"]))
