@@ -74,7 +74,8 @@ def test_applies_only_where_the_kernel_can_run(width):
         assert cpu_linear.applies(x, w)
         assert not cpu_linear.applies(x.double(), w.double())
         assert not cpu_linear.applies(x, w.t().contiguous().t())  # not [out, in] contiguous
-        assert not cpu_linear.applies(torch.randn(4, 72), torch.randn(96, 72))  # in % 16
+        odd_in = 64 + width // 2  # not a multiple of the built vector width (8 or 16 floats)
+        assert not cpu_linear.applies(torch.randn(4, odd_in), torch.randn(96, odd_in))
         assert not cpu_linear.applies(x, torch.randn(90, 64))  # out % 8
     assert not cpu_linear.applies(x, w)  # grad mode: training keeps F.linear
     with pytest.raises(RuntimeError, match="out % 8"):

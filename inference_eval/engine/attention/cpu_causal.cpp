@@ -3,7 +3,7 @@
 // that share one kv head, stacked, so every key block feeds BQ * G rows) walk the key blocks
 // up to their diagonal with an online softmax; no score matrix beyond one block, no mask
 // tensor, no block above the diagonal. See cpu_causal.py for why it exists.
-#include <torch/extension.h>
+#include "../kernel_api.h"
 #include <omp.h>
 
 #include <algorithm>
@@ -94,14 +94,14 @@ struct Buffers {
 
 // q [T, H, D], k / v [T, KVH, D] packed fp32 rows, contiguous; sequence b owns rows
 // cu[b] .. cu[b+1] and its row i sees its keys 0 .. i. -> [T, H, D].
-torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                               torch::Tensor cu_seqlens, double scale, int64_t threads) {
+at::Tensor causal_attention(at::Tensor q, at::Tensor k, at::Tensor v,
+                               at::Tensor cu_seqlens, double scale, int64_t threads) {
   for (const auto& t : {q, k, v})
-    TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() == 3,
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3,
                 "causal_attention: contiguous fp32 [T, heads, head_dim] rows only");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2),
               "causal_attention: q, k and v disagree in rows or head_dim");
-  TORCH_CHECK(cu_seqlens.scalar_type() == torch::kInt64 && cu_seqlens.is_contiguous(),
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.is_contiguous(),
               "causal_attention: cu_seqlens int64");
   const int64_t H = q.size(1), D = q.size(2), KVH = k.size(1);
   TORCH_CHECK(H % KVH == 0, "causal_attention: query heads must be a multiple of kv heads");
@@ -110,7 +110,7 @@ torch::Tensor causal_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
   TORCH_CHECK(B >= 0 && cu[0] == 0 && cu[B] == q.size(0), "causal_attention: cu_seqlens must "
               "run from 0 to the row count");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();

@@ -30,7 +30,7 @@ from inference_eval.engine import native
 @functools.cache
 def kernel():
     """The compiled module (its `causal_attention`), or None where it cannot be built."""
-    return native.build("specheads_cpu_causal", Path(__file__).with_suffix(".cpp"),
+    return native.build(Path(__file__).with_suffix(".cpp"),
                         "fresh sequences use SDPA's causal mode instead")
 
 

@@ -1,7 +1,7 @@
 // Causal attention of a few new query rows per request over its pages of the KV cache, on
 // CPU, fp32: no gather of the history, no padding to the longest request, no mask tensor.
 // See cpu_paged.py for why it exists and when the torch backend calls it.
-#include <torch/extension.h>
+#include "../kernel_api.h"
 #include <omp.h>
 
 #include <algorithm>
@@ -77,13 +77,13 @@ inline void prefetch(const float* p, int64_t n) {
 // int64 page ids; kv_lens [B] (keys in the cache after this step's rows were appended).
 // Query row i of request b (q_len rows) sees keys 0 .. kv_len - q_len + i. -> [T, H, D].
 // k_new / v_new [T, KVH, D] are this step's rows, written first to their slots [T].
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
-                              torch::Tensor slots, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor cu_q,
-                              torch::Tensor kv_lens, int64_t page_size, double scale,
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
+                              at::Tensor slots, at::Tensor k_cache, at::Tensor v_cache,
+                              at::Tensor block_tables, at::Tensor cu_q,
+                              at::Tensor kv_lens, int64_t page_size, double scale,
                               int64_t threads) {
   for (const auto& t : {q, k_new, v_new, k_cache, v_cache})
-    TORCH_CHECK(t.scalar_type() == torch::kFloat32, "paged_attention: fp32 only");
+    TORCH_CHECK(t.scalar_type() == at::kFloat, "paged_attention: fp32 only");
   TORCH_CHECK(k_new.is_contiguous() && v_new.is_contiguous() && slots.is_contiguous() &&
                   k_new.sizes() == v_new.sizes() && k_new.size(0) == slots.size(0) &&
                   k_new.size(1) == k_cache.size(1) && k_new.size(2) == k_cache.size(2),
@@ -94,7 +94,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_new, torch::Tenso
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D, "paged_attention: head shapes disagree");
   const int64_t G = H / KVH, B = kv_lens.size(0), P = block_tables.size(1);
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   float* kp = k_cache.data_ptr<float>();
   float* vp = v_cache.data_ptr<float>();

@@ -31,7 +31,7 @@ SMALL_Q = 8
 @functools.cache
 def kernel():
     """The compiled module (its `paged_attention`), or None where it cannot be built."""
-    return native.build("specheads_cpu_paged", Path(__file__).with_suffix(".cpp"),
+    return native.build(Path(__file__).with_suffix(".cpp"),
                         "decode steps use SDPA over gathered pages instead")
 
 

@@ -1,7 +1,7 @@
 // The decoder layer's elementwise steps in one pass each, fp32 on CPU: RMSNorm (with the
 // residual add before it, optionally), SwiGLU's silu(gate) * up, and the rotary embedding
 // of q and k split out of the fused qkv projection. See cpu_fused.py for why.
-#include <torch/extension.h>
+#include "../kernel_api.h"
 #include <omp.h>
 
 #include <algorithm>
@@ -20,8 +20,8 @@ int threads_for(int64_t floats, int64_t threads) {
   return static_cast<int>(floats < kParallelFloats ? 1 : std::max<int64_t>(1, threads));
 }
 
-void check_rows(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 2 && t.stride(1) == 1,
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.stride(1) == 1,
               what, ": fp32 [rows, features] with contiguous features");
 }
 
@@ -29,19 +29,19 @@ void check_rows(const torch::Tensor& t, const char* what) {
 
 // x [N, H] (rows may be strided), w [H] -> x / rms(x) * w [N, H]; with residual r [N, H]:
 // s = x + r first, returns (s, norm(s)) (the decoder layer's add before its second norm).
-std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor w, double eps,
-                                    c10::optional<torch::Tensor> residual, int64_t threads) {
+std::vector<at::Tensor> rms_norm(at::Tensor x, at::Tensor w, double eps,
+                                    c10::optional<at::Tensor> residual, int64_t threads) {
   check_rows(x, "rms_norm");
   const int64_t n = x.size(0), h = x.size(1);
-  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == h,
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == h,
               "rms_norm: weight [features] fp32");
   const bool add = residual.has_value();
   if (add) {
     check_rows(*residual, "rms_norm residual");
     TORCH_CHECK(residual->size(0) == n && residual->size(1) == h, "rms_norm: residual shape");
   }
-  auto out = torch::empty({n, h}, x.options());
-  auto sum = add ? torch::empty({n, h}, x.options()) : torch::Tensor();
+  auto out = at::empty({n, h}, x.options());
+  auto sum = add ? at::empty({n, h}, x.options()) : at::Tensor();
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   const float* rp = add ? residual->data_ptr<float>() : nullptr;
@@ -69,12 +69,12 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor w, double eps
 }
 
 // gate_up [N, 2I] (gate columns first) -> silu(gate) * up [N, I].
-torch::Tensor silu_mul(torch::Tensor gate_up, int64_t threads) {
+at::Tensor silu_mul(at::Tensor gate_up, int64_t threads) {
   check_rows(gate_up, "silu_mul");
   const int64_t n = gate_up.size(0), inter = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) == 2 * inter && inter % VW == 0,
               "silu_mul: an even number of columns, each half a multiple of ", VW);
-  auto out = torch::empty({n, inter}, gate_up.options());
+  auto out = at::empty({n, inter}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t gs = gate_up.stride(0);
@@ -95,7 +95,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up, int64_t threads) {
 // qkv [T, (heads + 2 kv_heads) d] (rows may be strided), cos / sin [T, d] in the
 // rotate-half layout -> q [T, heads, d], k [T, kv_heads, d] rotated, v [T, kv_heads, d],
 // each contiguous: x' = x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1].
-std::vector<torch::Tensor> rope_split(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+std::vector<at::Tensor> rope_split(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
                                       int64_t heads, int64_t kv_heads, int64_t d,
                                       int64_t threads) {
   check_rows(qkv, "rope_split");
@@ -103,12 +103,12 @@ std::vector<torch::Tensor> rope_split(torch::Tensor qkv, torch::Tensor cos, torc
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * d && d % 2 == 0,
               "rope_split: qkv columns must be (heads + 2 kv_heads) x an even head_dim");
   for (const auto& c : {cos, sin})
-    TORCH_CHECK(c.scalar_type() == torch::kFloat32 && c.is_contiguous() && c.dim() == 2 &&
+    TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.dim() == 2 &&
                     c.size(0) == t && c.size(1) == d,
                 "rope_split: cos / sin [T, head_dim] fp32, contiguous");
-  auto q = torch::empty({t, heads, d}, qkv.options());
-  auto k = torch::empty({t, kv_heads, d}, qkv.options());
-  auto v = torch::empty({t, kv_heads, d}, qkv.options());
+  auto q = at::empty({t, heads, d}, qkv.options());
+  auto k = at::empty({t, kv_heads, d}, qkv.options());
+  auto v = at::empty({t, kv_heads, d}, qkv.options());
   const float* src = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();

@@ -30,7 +30,7 @@ _state = {"threads": 1}
 @functools.cache
 def kernel():
     """The compiled module, or None where it cannot be built."""
-    return native.build("specheads_cpu_fused", Path(__file__).with_suffix(".cpp"),
+    return native.build(Path(__file__).with_suffix(".cpp"),
                         "norms, rope and SwiGLU use torch's ops instead")
 
 

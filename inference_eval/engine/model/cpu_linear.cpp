@@ -6,7 +6,8 @@
 // registers over the whole `in` loop, and the 8 dot products of a row are reduced together
 // (three rounds of shuffles) into one 8-float store. The tiles of one thread walk its share
 // of the weight's rows in memory order, so the weight is one sequential stream per thread.
-#include <torch/extension.h>
+#include "../kernel_api.h"
+#include <torch/library.h>  // the op inductor calls in compiled graphs
 #include <omp.h>
 
 #include <algorithm>
@@ -114,8 +115,8 @@ static void block(const float* x, int64_t m, const float* w, const float* bias, 
 
 // x [M, in], w [out, in], bias [out] or None, all fp32 and contiguous; in % VW == 0 and
 // out % 8 == 0 (cpu_linear.py checks) -> [M, out]. `threads` split the weight's rows.
-torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w,
-                           const c10::optional<torch::Tensor>& bias, int64_t threads) {
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w,
+                           const c10::optional<at::Tensor>& bias, int64_t threads) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, in], w [out, in]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "fp32 only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "contiguous x and w");
@@ -127,7 +128,7 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& w,
                 "bias [out] fp32");
     bp = bias->data_ptr<float>();
   }
-  auto y = torch::empty({m, out}, x.options());
+  auto y = at::empty({m, out}, x.options());
   if (m == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();

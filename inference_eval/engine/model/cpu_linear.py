@@ -73,7 +73,7 @@ ALL_ROWS = 1 << 62  # max_rows() when the kernel won the race at every size
 @functools.cache
 def kernel():
     """The compiled module (its `small_linear`), or None where it cannot be built."""
-    mod = native.build("specheads_cpu_linear", Path(__file__).with_suffix(".cpp"),
+    mod = native.build(Path(__file__).with_suffix(".cpp"),
                        "small-row products use OpenBLAS / torch instead")
     if mod is not None:
         _state["width"] = mod.vector_width()
