@@ -100,10 +100,17 @@ class DraftHead(nn.Module):
         """d2t as absolute ids [V_draft] for reduced vocabularies; None = identity."""
         return self.d2t_ids if self.cfg.draft_vocab_size is not None else None
 
+    packed = None  # the lm_head's exact block code for CPU inference (linear.set_cpu_blas)
+
+    def packable_weight(self) -> torch.Tensor:
+        return self.lm_head_weight
+
     def logits(self, features: torch.Tensor, cpu_blas: bool = False) -> torch.Tensor:
         """features [T, H] -> logits [T, V_draft] (target vocabulary unless reduced).
-        cpu_blas: the engine's OpenBLAS path for inference on CPU (inference_eval.engine.model.linear)."""
-        return matmul_wt(features, self.lm_head_weight.to(features.dtype), cpu_blas)
+        cpu_blas: the engine's CPU inference path (inference_eval.engine.model.linear); its
+        rows of the target's lm_head keep their block code (cpu_quant) there."""
+        return matmul_wt(features, self.lm_head_weight.to(features.dtype), cpu_blas,
+                         packed=self.packed if cpu_blas else None)
 
     def forward(self, batch, chunk: int = 1024, naive: bool = False):
         """Training objective over a packed batch -> (loss, stats [K, STATS]); see heads/objective.

@@ -13,6 +13,9 @@ tied lm_head), the paths `inference_eval.engine.model.linear` chose between:
                reordered once into oneDNN's blocked layout
     kernel     the engine's own small-row kernel (model/cpu_linear.cpp), up to SMALL_ROWS
                rows, the weight as is ([out, in] row-major)
+    quant      the same products from the weights' exact GGUF block code (model/cpu_quant.cpp;
+               the weights here are GGUF-coded like the embedded target's: layers Q4_1, the
+               lm_head Q8_0), bit for bit the kernel's result
 
 (inductor's CPU GEMM template, which compiled steps used before the kernel, needs a compile
 per row count; model/cpu_linear.py and model/compiled.py quote it measured beside the kernel.)
@@ -37,13 +40,20 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from inference_eval.engine.model import cpu_linear
+from inference_eval.engine.model import cpu_linear, cpu_quant
 from inference_eval.engine.model.linear import gemv_rows
 
 # SmolLM2-135M: hidden 576, 9 q heads + 2 x 3 kv heads of 64, MLP 1536, vocab 49152.
 LAYER = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LM_HEAD = (49152, 576)
 NUM_LAYERS = 30
+
+
+def coded(w: torch.Tensor, fmt: int) -> torch.Tensor:
+    """The weights as the embedded GGUF target holds them (layers Q4_1, lm_head Q8_0), so the
+    `quant` path (cpu_quant: the same floats from their block code) applies; every other path
+    reads them as fp32."""
+    return cpu_quant.gguf_round_trip(w, fmt)
 
 
 def onednn_available() -> bool:
@@ -61,6 +71,9 @@ def paths(weights: list[torch.Tensor], m: int) -> dict:
     if m <= cpu_linear.SMALL_ROWS and cpu_linear.enable(torch.get_num_threads()):
         small, n = cpu_linear.kernel().small_linear, torch.get_num_threads()
         out["kernel"] = lambda x: [small(x, w, None, n) for w in weights]
+    coded = [cpu_quant.pack(w) for w in weights]
+    if m <= cpu_linear.SMALL_ROWS and all(coded) and cpu_quant.kernel() is not None:
+        out["quant"] = lambda x: [cpu_quant.linear(x, p) for p in coded]
     if onednn_available():
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, m) for w in weights]
         out["onednn"] = lambda x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
@@ -104,11 +117,11 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     r_layers = None
     for shape in LAYER.values():  # 30 weights of each shape; their times add up to a step's
-        r = measure([torch.randn(*shape, generator=gen) * 0.02 for _ in range(NUM_LAYERS)],
+        r = measure([coded(torch.randn(*shape, generator=gen) * 0.02, 4) for _ in range(NUM_LAYERS)],
                     args.rows, args.reps)
         r_layers = r if r_layers is None else {
             m: {n: r_layers[m][n] + r[m][n] for n in r[m]} for m in r}
-    r_head = measure([torch.randn(*LM_HEAD, generator=gen) * 0.02], args.rows, args.reps)
+    r_head = measure([coded(torch.randn(*LM_HEAD, generator=gen) * 0.02, 8)], args.rows, args.reps)
     table(f"{NUM_LAYERS} layers x (qkv, o, gate_up, down)", r_layers)
     table("lm_head 49152 x 576", r_head)
     total = {m: {n: r_layers[m][n] + r_head[m][n] for n in r_layers[m]} for m in args.rows}

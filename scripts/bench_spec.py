@@ -68,6 +68,32 @@ def cell(args: argparse.Namespace, bs: int, temp: float) -> dict:
     return {"batch_size": bs, "temperature": temp, "report": str(out / "report.json"), "runs": runs}
 
 
+def _tree_shape(depth: int, topk: int, total: int) -> tuple[list[int], list[int]]:
+    """A tree of the --tree shape for the step costs: the root, then `topk` children per
+    level under the previous level's first node, to `depth` levels or total + 1 nodes.
+    Returns (parent index per node, -1 for the root; depth per node)."""
+    parents, depths, best = [-1], [0], 0
+    while len(parents) <= total and depths[best] < depth:
+        first = len(parents)
+        for _ in range(min(topk, total + 1 - len(parents))):
+            parents.append(best)
+            depths.append(depths[best] + 1)
+        best = first
+    return parents, depths
+
+
+def _ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """bool [N, N]: node i may attend to node j when j is i or one of its ancestors."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(n):
+        j = parents[i]
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
 @torch.inference_mode()
 def step_costs(args: argparse.Namespace) -> dict:
     """Median/min ms of an AR step, a K+1-token verification and a head draft step (module
@@ -80,9 +106,10 @@ def step_costs(args: argparse.Namespace) -> dict:
     eng = build_engine(loaded, cfg.engine, draft)
     eng.warm(1)  # engine.compile: rows 1..5 compiled before anything is timed
     model, drafter, ps, ctx = eng.model, eng.drafter, eng.cfg.page_size, args.context
-    pages = list(range((ctx + 8) // ps + 1))
+    span = ctx + max(8, args.tree[2] + 2)  # the context plus the most rows one step adds
+    pages = list(range(span // ps + 1))
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.arch.vocab_size, (ctx + 8,), generator=gen)
+    ids = torch.randint(0, model.arch.vocab_size, (span,), generator=gen)
 
     def layout(q: int, kv: int) -> BatchLayout:
         return BatchLayout([q], [kv], [pages], ps)
@@ -96,9 +123,29 @@ def step_costs(args: argparse.Namespace) -> dict:
     def target(q: int):
         return lambda: model(ids[ctx:ctx + q], eng.backend.plan(layout(q, ctx + q)), eng.cache)
 
+    depth_d, topk, total = args.tree
+    parents, depth = _tree_shape(depth_d, topk, total)
+    tree_mask = _ancestor_mask(parents)
+    tree_pos = torch.tensor([ctx + d for d in depth])
+
+    def verify_tree():
+        n = len(parents)
+        lay = BatchLayout([n], [ctx + n], [pages], ps, positions=tree_pos, tree_masks=[tree_mask])
+        return model(ids[ctx:ctx + n], eng.backend.plan(lay), eng.cache)
+
+    rows = torch.full((topk,), ctx)
+    frontier_state = state.expand(topk, -1).contiguous()
+
+    def draft_frontier():  # one tree level: `topk` nodes through the head at once
+        lay = BatchLayout([topk], [ctx + topk], [pages], ps, positions=rows,
+                          tree_masks=[torch.eye(topk, dtype=torch.bool)])
+        return drafter.run(ids[ctx:ctx + topk], frontier_state, eng.backend.plan(lay), k=2)
+
     ops = {"ar_step": target(1), **{f"verify_{k + 1}": target(k + 1) for k in range(1, 5)},
+           f"verify_tree_{len(parents)}": verify_tree,
            "draft_step": lambda: drafter.run(ids[ctx:ctx + 1], state,
-                                             eng.backend.plan(layout(1, ctx + 1)), k=2)}
+                                             eng.backend.plan(layout(1, ctx + 1)), k=2),
+           f"draft_{topk}_rows": draft_frontier}
     times: dict[str, list[float]] = {name: [] for name in ops}
     with eng.step_threads():  # the engine's own thread setting inside a step
         for rep in range(args.step_reps + 2):

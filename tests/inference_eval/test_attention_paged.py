@@ -47,7 +47,8 @@ def filled_cache(heads_kv, d, seed=1, dtype=torch.float32):
 
 def reference(layout, q, cache, heads, kvh, d):
     """Per request, per head, in float64: query row i (of q_len) sees the first
-    kv_len - q_len + i + 1 keys of its pages."""
+    kv_len - q_len + i + 1 keys of its pages, or, under a tree mask [q_len, m], every key
+    before the last m and those of the last m its mask row allows."""
     kc, vc = (x[0].reshape(-1, kvh, d).double() for x in (cache.k, cache.v))
     out, cu = [], layout.cu_q()
     for b, (ql, kv, table) in enumerate(zip(layout.q_lens, layout.kv_lens, layout.block_tables)):
@@ -57,6 +58,10 @@ def reference(layout, q, cache, heads, kvh, d):
         qs = q[cu[b]:cu[b + 1]].double()
         s = torch.einsum("qhd,khd->hqk", qs, ks) / math.sqrt(d)
         seen = torch.arange(kv).view(1, -1) < (kv - ql + torch.arange(ql) + 1).view(-1, 1)
+        tm = layout.tree_masks[b] if layout.tree_masks is not None else None
+        if tm is not None:
+            seen = torch.ones(ql, kv, dtype=torch.bool)
+            seen[:, kv - tm.shape[1]:] = tm
         s = s.masked_fill(~seen, float("-inf"))
         out.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vs))
     return torch.cat(out)
@@ -87,6 +92,50 @@ def test_paged_kernel_matches_float64_reference_and_general_path(q_lens, kv_lens
     torch.testing.assert_close(got.double(), reference(layout, q, paged, heads, kvh, d),
                                atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def ancestors(parents):
+    """bool [N, N]: node i sees itself and its ancestors (parents[i] < i, -1 for the root)."""
+    m = torch.eye(len(parents), dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            m[i] |= m[p]
+    return m
+
+
+TREE = ancestors([-1, 0, 0, 0, 1, 1, 2, 4, 4, 7, 3, 5, 9])  # 13 nodes, depth 5
+
+
+def test_tree_masks_through_the_kernel():
+    # EAGLE-2 verification (a 13-node tree over the request's last 13 keys), a draft-tree
+    # level (4 nodes whose mask also covers 8 earlier scratch keys: m > q_len), and a causal
+    # request beside them, all in one step; against float64 and the gathered SDPA path.
+    level = torch.zeros(4, 12, dtype=torch.bool)
+    level[:, 8:] = torch.eye(4, dtype=torch.bool)
+    level[:, [1, 5]] = True
+    level[2, 6] = True
+    layout = scattered_layout([13, 4, 3], [40, 21, 9])
+    layout.tree_masks = [TREE, level, None]
+    heads, kvh, d = 9, 3, 64
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(20, n, d, generator=g) for n in (heads, kvh, kvh))
+    paged, general = filled_cache(kvh, d), filled_cache(kvh, d)
+    plan = TorchAttentionBackend("cpu").plan(layout)
+    assert plan.paged is not None and not plan.gathered
+    got = plan.attend(0, q, k, v, paged)
+    want = TorchAttentionPlan(layout, "cpu").attend(0, q, k, v, general)
+    assert torch.equal(paged.k, general.k)
+    torch.testing.assert_close(got.double(), reference(layout, q, paged, heads, kvh, d),
+                               atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    for threads in (1, 3):  # how tasks split between threads changes no bit
+        plan = TorchAttentionPlan(layout, "cpu", paged_kernel=True, threads=threads)
+        assert torch.equal(plan.attend(0, q, k, v, filled_cache(kvh, d)), got)
+    # The mask is read: the same rows, causal (13 rows: SDPA), attend differently.
+    layout.tree_masks = None
+    causal = TorchAttentionBackend("cpu").plan(layout).attend(0, q, k, v, filled_cache(kvh, d))
+    assert not torch.allclose(causal[:13], got[:13], atol=1e-3)
+    torch.testing.assert_close(causal[17:], got[17:], atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("q_lens,kv_lens,heads,kvh,d", CASES)
@@ -138,7 +187,9 @@ def test_latent_attention_through_the_kernel():
     (BatchLayout([1], [9], [[4, 2, 7]], PS), True),                              # one row
     (BatchLayout([3], [9], [[4, 2, 7]], PS), True),   # one request's verification rows
     (BatchLayout([2, 1], [5, 9], [[0, 1], [2, 3, 4]], PS,
-                 tree_masks=[torch.ones(2, 2, dtype=torch.bool), None]), False),  # tree
+                 tree_masks=[torch.ones(2, 2, dtype=torch.bool), None]), True),   # tree
+    (BatchLayout([13], [20], [[0, 1, 2, 3, 4]], PS, tree_masks=[TREE]), True),    # 13 > SMALL_Q
+    (BatchLayout([9], [12], [[0, 1, 2]], PS), False),  # 9 causal rows: a prefill chunk
     (BatchLayout([4, 9], [4, 9], [[0], [1, 2, 3]], PS), False),       # fresh: causal SDPA
     (BatchLayout([1, 9], [5, 12], [[0, 1], [2, 3, 4]], PS), False),   # a prefill chunk
 ])

@@ -107,6 +107,38 @@ def test_smollm2_fast_path_matches_hf(smollm2):
     torch.testing.assert_close(ours.logits, torch.cat(refs), atol=1e-4, rtol=1e-4)
 
 
+def test_smollm2_weights_keep_their_gguf_code(smollm2):
+    # The embedded target is Q4_1 (its tied embedding Q8_0): every product weight packs
+    # exactly (cpu_quant), and a short step (<= SMALL_ROWS rows: decode, verification) gives
+    # the same logits from the codes as from the fp32 weights, and transformers' within fp32.
+    loaded, hf = smollm2
+    model = loaded.model
+    ids = torch.tensor(loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three prime numbers."}], add_generation_prompt=True,
+        tokenize=True, return_dict=True)["input_ids"])[:12]
+    backend = TorchAttentionBackend()
+    set_cpu_blas(model, True)
+    try:
+        coded = [m for m in model.modules() if hasattr(m, "packed")]
+        assert len(coded) == 4 * model.arch.num_layers + 1
+        assert all(m.packed is not None for m in coded)
+        assert {m.packed.fmt for m in coded} == {4, 8}
+        with torch.inference_mode():
+            ours = model(ids, backend.plan(BatchLayout.packed([12]))).logits
+            codes = [m.packed for m in coded]
+            for m in coded:
+                m.packed = None
+            plain = model(ids, backend.plan(BatchLayout.packed([12]))).logits
+            for m, c in zip(coded, codes):
+                m.packed = c
+        with torch.no_grad():
+            ref = hf(ids[None]).logits[0]
+    finally:
+        set_cpu_blas(model, False)
+    assert torch.equal(ours, plain)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_unknown_architecture_is_named():
     with pytest.raises(UnsupportedArchitectureError, match="GPT2LMHeadModel"):
         ModelArch.from_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})

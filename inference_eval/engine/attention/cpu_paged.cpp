@@ -1,7 +1,8 @@
-// Causal attention of a few new query rows per request over its pages of the KV cache, on
-// CPU, fp32: no gather of the history, no padding to the longest request, no mask tensor.
+// Causal (or tree-masked) attention of a few new query rows per request over its pages of the
+// KV cache, on CPU, fp32: no gather of the history, no padding to the longest request.
 // See cpu_paged.py for why it exists and when the torch backend calls it.
 #include "../kernel_api.h"
+#include "../vec_math.h"
 #include <omp.h>
 
 #include <algorithm>
@@ -77,11 +78,15 @@ inline void prefetch(const float* p, int64_t n) {
 // int64 page ids; kv_lens [B] (keys in the cache after this step's rows were appended).
 // Query row i of request b (q_len rows) sees keys 0 .. kv_len - q_len + i. -> [T, H, D].
 // k_new / v_new [T, KVH, D] are this step's rows, written first to their slots [T].
+// Tree masks (mask_w of B entries, or empty for all causal): request b with m = mask_w[b] > 0
+// reads its mask as uint8 [q_len, m] at mask_bits + mask_off[b], over its LAST m keys (1 = may
+// attend); its earlier keys are visible to every row. m = 0 keeps b causal.
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
                               at::Tensor slots, at::Tensor k_cache, at::Tensor v_cache,
                               at::Tensor block_tables, at::Tensor cu_q,
                               at::Tensor kv_lens, int64_t page_size, double scale,
-                              int64_t threads) {
+                              int64_t threads, at::Tensor mask_bits, at::Tensor mask_off,
+                              at::Tensor mask_w) {
   for (const auto& t : {q, k_new, v_new, k_cache, v_cache})
     TORCH_CHECK(t.scalar_type() == at::kFloat, "paged_attention: fp32 only");
   TORCH_CHECK(k_new.is_contiguous() && v_new.is_contiguous() && slots.is_contiguous() &&
@@ -91,6 +96,14 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   block_tables.is_contiguous() && cu_q.is_contiguous() && kv_lens.is_contiguous(),
               "paged_attention: contiguous inputs only");
+  const bool masked = mask_w.numel() > 0;
+  TORCH_CHECK(!masked || (mask_w.numel() == kv_lens.numel() && mask_off.numel() == kv_lens.numel() &&
+                          mask_bits.scalar_type() == at::kByte && mask_bits.is_contiguous() &&
+                          mask_w.is_contiguous() && mask_off.is_contiguous()),
+              "paged_attention: tree masks need uint8 bits and one offset and width per request");
+  const uint8_t* mbits = masked ? mask_bits.data_ptr<uint8_t>() : nullptr;
+  const int64_t* moff = masked ? mask_off.data_ptr<int64_t>() : nullptr;
+  const int64_t* mwid = masked ? mask_w.data_ptr<int64_t>() : nullptr;
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D, "paged_attention: head shapes disagree");
   const int64_t G = H / KVH, B = kv_lens.size(0), P = block_tables.size(1);
@@ -127,47 +140,67 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
 #pragma omp parallel num_threads(nt)
   {
-    std::vector<float> scores, acc;
+    std::vector<float> scores, acc, mx, sum;
     // Tasks differ in length (each request's own history), so threads take them as they go.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / (KVH / hs), h0 = task % (KVH / hs) * hs;
-      const int64_t q0 = cu[b], nq = cu[b + 1] - cu[b], n = kl[b], ctx = n - nq;
+      const int64_t q0 = cu[b], nq = cu[b + 1] - cu[b], n = kl[b];
+      const int64_t mw = masked ? mwid[b] : 0;
+      // ctx: the keys every row sees (causal: the history before the step's rows; tree: the
+      // keys before the masked last mw).
+      const int64_t ctx = n - (mw > 0 ? mw : nq);
+      const uint8_t* tree = mw > 0 ? mbits + moff[b] : nullptr;
       const int64_t R = nq * HS;  // row r = i * HS + (h - h0) * G + g
-      // scores[j * R + r]: key j's scores for every row, adjacent; 0 where j is not visible.
-      scores.assign(n * R, 0.f);
+      const int64_t Rp = (R + VW - 1) / VW * VW;  // rows padded to whole vectors
+      // scores[j * Rp + r]: key j's scores for every row, adjacent, so the softmax runs
+      // across rows in vectors; -inf where row r may not see key j.
+      scores.assign(n * Rp, 0.f);
       acc.assign(R * D, 0.f);
       for (int64_t j = 0; j < n; ++j) {
         const float* krow = kp + (slot_of(b, j) * KVH + h0) * D;
         if (j + kAhead < n) prefetch(kp + (slot_of(b, j + kAhead) * KVH + h0) * D, hs * D);
-        for (int64_t i = std::max<int64_t>(0, j - ctx); i < nq; ++i)
+        for (int64_t i = tree ? 0 : std::max<int64_t>(0, j - ctx); i < nq; ++i)
           for (int64_t h = 0; h < hs; ++h)
             dots(qp + ((q0 + i) * H + (h0 + h) * G) * D, krow + h * D, G, D,
-                 scores.data() + j * R + i * HS + h * G);
+                 scores.data() + j * Rp + i * HS + h * G);
       }
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t visible = ctx + r / HS + 1;
-        float m = neg_inf;
-        for (int64_t j = 0; j < visible; ++j) m = std::max(m, scores[j * R + r]);
-        float sum = 0.f;
-        for (int64_t j = 0; j < visible; ++j) {
-          const float e = std::exp((scores[j * R + r] - m) * sc);
-          scores[j * R + r] = e;
-          sum += e;
+      for (int64_t j = ctx; j < n; ++j)  // causal: row i sees keys up to ctx + i
+        for (int64_t i = 0; i < nq; ++i)
+          if (tree ? tree[i * mw + j - ctx] == 0 : j > ctx + i)
+            std::fill_n(scores.data() + j * Rp + i * HS, HS, neg_inf);
+      // Softmax in base 2 over every key, VW rows at a time; 1 / sum is applied to the
+      // output rows instead of to every probability.
+      const float c = sc * 1.4426950408889634f;  // log2(e)
+      mx.assign(Rp, neg_inf);
+      sum.assign(Rp, 0.f);
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t r = 0; r < Rp; r += VW) {
+          const vec x = loadu(scores.data() + j * Rp + r), m = loadu(mx.data() + r);
+          storeu(mx.data() + r, x > m ? x : m);
         }
-        const float inv = 1.f / sum;
-        for (int64_t j = 0; j < visible; ++j) scores[j * R + r] *= inv;
-      }
+      for (float& m : mx) m = m == neg_inf ? 0.f : m;  // a row that sees no key: no NaN
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t r = 0; r < Rp; r += VW) {
+          float* sj = scores.data() + j * Rp + r;
+          const vec e = exp2v_nonpositive((loadu(sj) - loadu(mx.data() + r)) * c);
+          storeu(sj, e);
+          storeu(sum.data() + r, loadu(sum.data() + r) + e);
+        }
       for (int64_t j = 0; j < n; ++j) {
         const float* vrow = vp + (slot_of(b, j) * KVH + h0) * D;
         if (j + kAhead < n) prefetch(vp + (slot_of(b, j + kAhead) * KVH + h0) * D, hs * D);
-        for (int64_t i = std::max<int64_t>(0, j - ctx); i < nq; ++i)
+        for (int64_t i = tree ? 0 : std::max<int64_t>(0, j - ctx); i < nq; ++i)
           for (int64_t h = 0; h < hs; ++h)
-            axpys(scores.data() + j * R + i * HS + h * G, vrow + h * D, G, D,
+            axpys(scores.data() + j * Rp + i * HS + h * G, vrow + h * D, G, D,
                   acc.data() + (i * HS + h * G) * D);
       }
-      for (int64_t i = 0; i < nq; ++i)
-        std::copy_n(acc.data() + i * HS * D, HS * D, op + ((q0 + i) * H + h0 * G) * D);
+      for (int64_t r = 0; r < R; ++r) {  // out row = acc row / sum (0 for a row seeing no key)
+        const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+        const int64_t i = r / HS, hg = r % HS;
+        float* o = op + ((q0 + i) * H + h0 * G + hg) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
+      }
     }
   }
   return out;
@@ -175,5 +208,5 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
-        "causal attention of packed query rows over paged fp32 KV (CPU)");
+        "causal or tree-masked attention of packed query rows over paged fp32 KV (CPU)");
 }

@@ -1,6 +1,7 @@
 """A CPU kernel for decode-like steps: each request's few new rows attend over its own pages.
 
-Decode, verification and draft steps (every request has at most SMALL_Q new rows, causal)
+Decode, verification and draft steps (every request has at most SMALL_Q new rows, causal, or
+TREE_Q under a tree mask)
 spent most of their attention time around SDPA rather than in it: one `index_select` per
 layer copies every request's history into a [B, max_kv] batch padded to the longest, then
 SDPA's CPU kernel runs per (request, head) with a mask. Measured on the 2-core EPYC, 1 thread,
@@ -23,9 +24,13 @@ import torch
 
 from inference_eval.engine import native
 
-# Up to this many new rows per request a step uses the kernel (a chunked prefill, with more,
-# keeps SDPA: its rows share keys, which SDPA's blocked kernel turns into matrix products).
+# Up to this many new rows per request a causal step uses the kernel (a chunked prefill, with
+# more, keeps SDPA: its rows share keys, which SDPA's blocked kernel turns into matrix products).
 SMALL_Q = 8
+# Up to this many for a tree-masked step (EAGLE-2 verification and draft-tree levels), where
+# SDPA needs a gathered, masked batch instead.
+TREE_Q = 64
+_NO_MASK = torch.empty(0, dtype=torch.long)
 
 
 @functools.cache
@@ -38,11 +43,28 @@ def kernel():
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     cu_q: torch.Tensor, kv_lens: torch.Tensor, page_size: int,
-                    threads: int = 1) -> torch.Tensor:
+                    threads: int = 1, masks: tuple | None = None) -> torch.Tensor:
     """Append k / v [T, kv_heads, d] at flat slots [T] of k_cache / v_cache [slots, kv_heads,
     d], then attend: q [T, heads, d] fp32, block_tables [B, max_pages] int64, cu_q [B + 1],
     kv_lens [B] -> [T, heads, d], query row i of a request with q_len rows seeing keys
-    < kv_len - q_len + i + 1. threads: the kernel's own count (engine steps hold torch's at 1)."""
+    < kv_len - q_len + i + 1, or per tree_mask_tensors' `masks` where given.
+    threads: the kernel's own count (engine steps hold torch's at 1)."""
+    bits, off, width = masks if masks is not None else (_NO_MASK, _NO_MASK, _NO_MASK)
     return kernel().paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), slots,
                                     k_cache, v_cache, block_tables, cu_q, kv_lens, page_size,
-                                    q.shape[-1] ** -0.5, threads)
+                                    q.shape[-1] ** -0.5, threads, bits, off, width)
+
+
+def tree_mask_tensors(tree_masks: list[torch.Tensor | None]) -> tuple:
+    """A layout's tree_masks (per request: bool [q_len, m] over its last m keys, or None for
+    causal) -> the kernel's (uint8 bits, offsets [B], widths [B]; 0 = causal), built once per
+    plan."""
+    flat, off, width, at = [], [], [], 0
+    for tm in tree_masks:
+        off.append(at)
+        width.append(0 if tm is None else tm.shape[1])
+        if tm is not None:
+            flat.append(tm.to(device="cpu", dtype=torch.uint8).reshape(-1))
+            at += tm.numel()
+    bits = torch.cat(flat) if flat else torch.zeros(1, dtype=torch.uint8)
+    return bits, torch.tensor(off, dtype=torch.long), torch.tensor(width, dtype=torch.long)

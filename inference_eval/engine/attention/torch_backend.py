@@ -26,8 +26,9 @@ call per layer does not contend with OpenBLAS the way many small ops do. In fp32
 cpu_causal's kernel replaces that loop with one call for every sequence of the step
 (cpu_causal.py has the measurements); SDPA serves other dtypes and head sizes.
 
-Decode-like fp32 steps on CPU (every request with at most cpu_paged.SMALL_Q new rows, no
-tree mask) skip all of the above: cpu_paged's kernel reads each request's keys and values
+Decode-like fp32 steps on CPU (every request with at most cpu_paged.SMALL_Q new rows, or
+cpu_paged.TREE_Q under a tree mask: EAGLE-2 verification and draft-tree levels) skip all of
+the above: cpu_paged's kernel reads each request's keys and values
 once from its pages, with no gather, padding or mask (cpu_paged.py has the measurements).
 That includes one request verifying a chain, which used to keep SDPA over its contiguous
 span: since the kernel takes its own thread count, it is faster there too (bench_spec, the
@@ -104,9 +105,10 @@ class TorchAttentionPlan:
         self.mask = None
         if fresh:
             return
-        if (paged_kernel and self.cached and layout.tree_masks is None
-                and self.max_q <= cpu_paged.SMALL_Q):
+        tree = layout.tree_masks is not None
+        if paged_kernel and self.cached and self.max_q <= (cpu_paged.TREE_Q if tree else cpu_paged.SMALL_Q):
             self.paged = _paged_tables(layout, device)
+            self.paged_masks = cpu_paged.tree_mask_tensors(layout.tree_masks) if tree else None
             return
         self._plan_gathered()
 
@@ -186,7 +188,8 @@ class TorchAttentionPlan:
                     # The kernel appends this step's rows itself.
                     return cpu_paged.paged_attention(q, k, v, self.slots, kc.view(-1, kvh, d),
                                                      vc.view(-1, kvh, d), *self.paged,
-                                                     self.layout.page_size, self.threads or 1)
+                                                     self.layout.page_size, self.threads or 1,
+                                                     self.paged_masks)
                 if not self.gathered:  # another dtype than the kernel's: the general path
                     self._plan_gathered()
             # 2-D row views: index ops on [slots, kvh * d] run ~2x faster than on 3-D.

@@ -10,7 +10,10 @@ CPUs (a [M, 576] x [576, 3072] product over 60 weights on a 2-core EPYC: M=64 30
 141 OpenBLAS). Where the kernel cannot be built, small row counts
 run as one OpenBLAS GEMV per row (see gemv_rows). Training and every other device/dtype use
 F.linear. Weights keep torch's [out, in] row-major layout, which the kernel streams and
-OpenBLAS reads transposed without a copy.
+OpenBLAS reads transposed without a copy. A weight that is an exact GGUF block code in fp32
+(the embedded target's: Q4_1 layers, a Q8_0 tied lm_head) keeps that code beside it
+(`packed`, cpu_quant.py), and its small-row products read the 4-5x shorter code instead,
+with the same floats as a result.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_eval.engine.model import cpu_fused, cpu_linear
+from inference_eval.engine.model import cpu_fused, cpu_linear, cpu_quant
 
 
 def use_numpy_blas(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -45,11 +48,15 @@ def gemv_rows(weight: torch.Tensor) -> int:
 
 
 def matmul_wt(x: torch.Tensor, weight: torch.Tensor, fast: bool,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None,
+              packed: cpu_quant.Packed | None = None) -> torch.Tensor:
     """x [M, in] @ weight[out, in].T (+ bias [out]) -> [M, out]. With `fast` (CPU fp32
     inference): up to cpu_linear.SMALL_ROWS rows in the engine's kernel (compiled steps too),
-    more through OpenBLAS (one GEMV per row up to gemv_rows(weight) rows where the kernel is
-    missing, else one GEMM)."""
+    from `packed` (weight's exact block code, cpu_quant) where there is one: the same floats
+    from a 4-5x shorter weight stream; more through OpenBLAS (one GEMV per row up to
+    gemv_rows(weight) rows where the kernel is missing, else one GEMM)."""
+    if fast and x.dim() == 2 and x.shape[0] <= cpu_linear.SMALL_ROWS and cpu_quant.applies(x, packed):
+        return cpu_quant.linear(x, packed, bias)
     if fast and cpu_linear.applies(x, weight):
         return cpu_linear.linear(x, weight, bias)
     y = _matmul_wt(x, weight, fast)
@@ -82,11 +89,15 @@ class Linear(nn.Linear):
     """nn.Linear plus the optional CPU fast path (`cpu_blas`, off until an engine enables it)."""
 
     cpu_blas: bool = False
+    packed: cpu_quant.Packed | None = None  # the weight's exact block code (set_cpu_blas)
+
+    def packable_weight(self) -> torch.Tensor:
+        return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.cpu_blas:
             return F.linear(x, self.weight, self.bias)
-        return matmul_wt(x, self.weight, True, self.bias)
+        return matmul_wt(x, self.weight, True, self.bias, self.packed)
 
 
 def set_cpu_blas(model: nn.Module, enabled: bool) -> None:
@@ -104,3 +115,19 @@ def set_cpu_blas(model: nn.Module, enabled: bool) -> None:
         weight = m.weight if isinstance(m, (Linear, nn.Embedding)) else None
         if enabled and weight is not None and weight.device.type == "cpu" and not weight.is_contiguous():
             weight.data = weight.data.contiguous()
+    for m in model.modules():  # after the layouts above: a packed code belongs to its weight
+        if hasattr(m, "packed"):
+            _set_packed(m, enabled)
+
+
+def _set_packed(m: nn.Module, enabled: bool) -> None:
+    """m.packed: the exact block code of m.packable_weight() (cpu_quant.pack), kept while
+    the weight is unchanged (every engine over one target switches it on again), or None."""
+    w = m.packable_weight() if enabled and cpu_quant.kernel() is not None else None
+    # An inference tensor has no version counter (and no in-place update outside inference).
+    key = None if w is None else (w.data_ptr(), -1 if w.is_inference() else w._version,
+                                  tuple(w.shape), w.dtype)
+    if key is None:
+        m.packed = m.packed_key = None
+    elif getattr(m, "packed_key", None) != key:
+        m.packed, m.packed_key = cpu_quant.pack(w), key

@@ -49,6 +49,7 @@ class TransformerLM(nn.Module):
 
     cpu_blas: bool = False  # see model/linear.py; engines switch it on for CPU fp32
     compiled = None  # model/compiled.CompiledSteps when an engine compiles its small-row steps
+    packed = None  # the tied lm_head's exact block code (linear.set_cpu_blas; cpu_quant)
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -67,9 +68,16 @@ class TransformerLM(nn.Module):
         """[V, H]: the output projection (the embedding when tied)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def packable_weight(self) -> torch.Tensor | None:
+        """The tied lm_head (an untied one is a Linear, which packs itself)."""
+        return self.embed_tokens.weight if self.lm_head is None else None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] pre-norm -> logits [N, V] fp32."""
-        return matmul_wt(self.norm(hidden), self.lm_head_weight, self.cpu_blas).float()
+        if self.lm_head is not None:
+            return self.lm_head(self.norm(hidden)).float()
+        return matmul_wt(self.norm(hidden), self.lm_head_weight, self.cpu_blas,
+                         packed=self.packed).float()
 
     def forward(
         self,

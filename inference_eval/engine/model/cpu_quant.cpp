@@ -1,0 +1,245 @@
+// y[M, out] = x[M, in] @ w[out, in]^T (+ bias) in fp32, w read from a 4- or 8-bit block code
+// that reproduces its fp32 values exactly (GGUF's Q4_1 / Q8_0, which the embedded target
+// ships; cpu_quant.py proves the code exact before using it). See cpu_quant.py for why.
+//
+// Same tiling as cpu_linear.cpp (a tile is ROWS rows of x against 8 weight rows, the 8 x ROWS
+// accumulators stay in registers, the 8 dot products of a row are reduced together), but each
+// weight vector is decoded from its block in registers: Q4_1 w = d * q + m (q 4-bit), Q8_0
+// w = d * q (q int8), per block of 32 weights of one row. d * q is exact in fp32 (an fp16
+// d times at most 8 bits), so one fused multiply-add gives the same float the dequantized
+// weight holds, and every row's products run in the same order whatever M is.
+#include "../kernel_api.h"
+#include <torch/library.h>  // the op inductor calls in compiled graphs
+#include <omp.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+constexpr int ROWS = 3;
+#else
+constexpr int VW = 8;
+constexpr int ROWS = 1;
+#endif
+constexpr int COLS = 8;
+constexpr int BLOCK = 32;  // weights per block
+constexpr int PREFETCH_AHEAD = 4;
+#ifndef CHUNK_ROWS
+#define CHUNK_ROWS 128
+#endif
+typedef float vec __attribute__((vector_size(VW * 4)));
+typedef float vec8 __attribute__((vector_size(32)));
+
+static inline vec loadu(const float* p) {
+  vec v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// a[c] summed over its lanes, c = 0..7, as one vector (as in cpu_linear.cpp).
+static inline vec8 reduce8(const vec* a) {
+#if defined(__AVX512F__)
+#define F1(x, y) (__builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) + \
+                  __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+#define F2(x, y) (__builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) + \
+                  __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+#define F3(x, y) (__builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) + \
+                  __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+  const vec u = F3(F2(F1(a[0], a[1]), F1(a[2], a[3])), F2(F1(a[4], a[5]), F1(a[6], a[7])));
+  return __builtin_shufflevector(u, u, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(u, u, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+#define F1(x, y) (__builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14) + \
+                  __builtin_shufflevector(x, y, 1, 9, 3, 11, 5, 13, 7, 15))
+#define F2(x, y) (__builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) + \
+                  __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15))
+#define F3(x, y) (__builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + \
+                  __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15))
+  return F3(F2(F1(a[0], a[1]), F1(a[2], a[3])), F2(F1(a[4], a[5]), F1(a[6], a[7])));
+#endif
+#undef F1
+#undef F2
+#undef F3
+}
+
+// Q4_1: a block is 16 bytes, byte j holding weight j (low nibble) and j + 16 (high nibble),
+// and two floats (d, m). Vector v of the block (weights v*VW .. v*VW + VW) is the low or
+// high nibbles of VW consecutive bytes.
+struct Q4 {
+  static constexpr int BYTES = BLOCK / 2, SCALES = 2;
+  static inline vec decode(const uint8_t* q, const float* s, int v) {
+    constexpr int per_half = 16 / VW;  // vectors per nibble half
+#if defined(__AVX512F__)
+    __m512i n = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    n = v < per_half ? _mm512_and_si512(n, _mm512_set1_epi32(15)) : _mm512_srli_epi32(n, 4);
+    return (vec)_mm512_fmadd_ps(_mm512_cvtepi32_ps(n), _mm512_set1_ps(s[0]), _mm512_set1_ps(s[1]));
+#else
+    __m256i n = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (v % per_half) * VW)));
+    n = v < per_half ? _mm256_and_si256(n, _mm256_set1_epi32(15)) : _mm256_srli_epi32(n, 4);
+    return (vec)_mm256_fmadd_ps(_mm256_cvtepi32_ps(n), _mm256_set1_ps(s[0]), _mm256_set1_ps(s[1]));
+#endif
+  }
+};
+
+// Q8_0: a block is 32 signed bytes, weight j in byte j, and one float d.
+struct Q8 {
+  static constexpr int BYTES = BLOCK, SCALES = 1;
+  static inline vec decode(const uint8_t* q, const float* s, int v) {
+#if defined(__AVX512F__)
+    const __m512i n = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + v * VW)));
+    return (vec)_mm512_mul_ps(_mm512_cvtepi32_ps(n), _mm512_set1_ps(s[0]));
+#else
+    const __m256i n = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + v * VW)));
+    return (vec)_mm256_mul_ps(_mm256_cvtepi32_ps(n), _mm256_set1_ps(s[0]));
+#endif
+  }
+};
+
+// Already decoded fp32 rows (a block's scratch copy): "bytes" of a block are its 32 floats.
+struct F32 {
+  static constexpr int BYTES = BLOCK * 4, SCALES = 0;
+  static inline vec decode(const uint8_t* q, const float*, int v) {
+    return loadu(reinterpret_cast<const float*>(q) + v * VW);
+  }
+};
+
+// R rows of x [R, in] against 8 coded weight rows (q: row stride qrow bytes; s: row stride
+// srow floats) -> y[r, 0..8). pf / pfs: the block of rows to prefetch meanwhile, or nullptr.
+template <class F, int R>
+static inline void tile(const float* x, const uint8_t* q, const float* s, const float* bias,
+                        float* y, int64_t in, int64_t out, int64_t qrow, int64_t srow,
+                        const uint8_t* pf) {
+  vec acc[R][COLS] = {};
+  // One loop over k in vectors, as cpu_linear's tile runs it: the same products summed in
+  // the same order, so both kernels give the same floats.
+  for (int64_t k = 0; k < in; k += VW) {
+    const int64_t b = k / BLOCK;
+    const int v = static_cast<int>(k % BLOCK) / VW;
+    if (pf && v == 0 && (b * F::BYTES) % 64 == 0)
+      for (int c = 0; c < COLS; ++c) __builtin_prefetch(pf + c * qrow + b * F::BYTES, 0, 2);
+    vec xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = loadu(x + r * in + k);
+    for (int c = 0; c < COLS; ++c) {
+      vec wv = F::decode(q + c * qrow + b * F::BYTES, s + c * srow + b * F::SCALES, v);
+      asm("" : "+v"(wv));  // decoded once for all R rows
+      for (int r = 0; r < R; ++r) acc[r][c] += xv[r] * wv;
+    }
+  }
+  vec8 bv = {};
+  if (bias) __builtin_memcpy(&bv, bias, sizeof bv);
+  for (int r = 0; r < R; ++r) {
+    const vec8 t = reduce8(acc[r]) + bv;
+    __builtin_memcpy(y + r * out, &t, sizeof t);
+  }
+}
+
+// Every row of x against one block of 8 coded weight rows. Up to ROWS rows (one tile) decode
+// each weight vector in registers; more rows would decode it once per tile, so the block is
+// decoded once into `scratch` (8 rows, L1/L2-resident) and the tiles read it as fp32.
+template <class F>
+static void block(const float* x, int64_t m, const uint8_t* q, const float* s, const float* bias,
+                  float* y, int64_t in, int64_t out, int64_t qrow, int64_t srow,
+                  const uint8_t* pf, std::vector<float>& scratch) {
+  if (m <= ROWS) {
+    if (m == 1) tile<F, 1>(x, q, s, bias, y, in, out, qrow, srow, pf);
+    if constexpr (ROWS > 1) {
+      if (m == 2) tile<F, 2>(x, q, s, bias, y, in, out, qrow, srow, pf);
+    }
+    if constexpr (ROWS > 2) {
+      if (m == 3) tile<F, 3>(x, q, s, bias, y, in, out, qrow, srow, pf);
+    }
+    return;
+  }
+  scratch.resize(COLS * in);
+  float* w = scratch.data();
+  for (int c = 0; c < COLS; ++c)
+    for (int64_t b = 0; b < in / BLOCK; ++b)
+      for (int v = 0; v < BLOCK / VW; ++v) {
+        const vec wv = F::decode(q + c * qrow + b * F::BYTES, s + c * srow + b * F::SCALES, v);
+        __builtin_memcpy(w + c * in + b * BLOCK + v * VW, &wv, sizeof wv);
+      }
+  if (pf)
+    for (int c = 0; c < COLS; ++c)
+      for (int64_t k = 0; k < qrow; k += 64) __builtin_prefetch(pf + c * qrow + k, 0, 2);
+  const auto* wb = reinterpret_cast<const uint8_t*>(w);
+  const int64_t frow = in * 4;
+  int64_t r = 0;
+  for (; r + ROWS <= m; r += ROWS)
+    tile<F32, ROWS>(x + r * in, wb, nullptr, bias, y + r * out, in, out, frow, 0, nullptr);
+  if (m - r == 1) tile<F32, 1>(x + r * in, wb, nullptr, bias, y + r * out, in, out, frow, 0, nullptr);
+  if constexpr (ROWS > 2) {
+    if (m - r == 2) tile<F32, 2>(x + r * in, wb, nullptr, bias, y + r * out, in, out, frow, 0, nullptr);
+  }
+}
+
+template <class F>
+static void run(const float* xp, int64_t m, const uint8_t* qp, const float* sp, const float* bp,
+                float* yp, int64_t in, int64_t out, int64_t threads) {
+  const int64_t qrow = in / BLOCK * F::BYTES, srow = in / BLOCK * F::SCALES;
+  const int64_t blocks = out / COLS;
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, blocks / 16)));
+  const int64_t chunk = std::min<int64_t>(m, CHUNK_ROWS);
+#pragma omp parallel num_threads(nt)
+  {
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
+    std::vector<float> scratch;
+    for (int64_t r0 = 0; r0 < m; r0 += chunk) {
+      const int64_t mr = std::min(chunk, m - r0);
+      for (int64_t b = b0; b < b1; ++b)
+        block<F>(xp + r0 * in, mr, qp + b * COLS * qrow, sp + b * COLS * srow,
+                 bp ? bp + b * COLS : nullptr, yp + r0 * out + b * COLS, in, out, qrow, srow,
+                 b + PREFETCH_AHEAD < b1 ? qp + (b + PREFETCH_AHEAD) * COLS * qrow : nullptr,
+                 scratch);
+    }
+  }
+}
+
+// x [M, in] fp32; codes [out, in / 32 * bytes] uint8 (fmt 4: Q4_1, 16 bytes a block; fmt 8:
+// Q8_0, 32); scales [out, in / 32 * (2 or 1)] fp32; bias [out] or None -> [M, out].
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        int64_t fmt, const c10::optional<at::Tensor>& bias, int64_t threads) {
+  TORCH_CHECK(fmt == 4 || fmt == 8, "quant_linear: fmt 4 (Q4_1) or 8 (Q8_0)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "quant_linear: x [M, in] fp32, contiguous");
+  const int64_t m = x.size(0), in = x.size(1), out = codes.size(0);
+  const int64_t bytes = fmt == 4 ? Q4::BYTES : Q8::BYTES, ns = fmt == 4 ? Q4::SCALES : Q8::SCALES;
+  TORCH_CHECK(in % BLOCK == 0 && out % COLS == 0, "quant_linear: in % 32 and out % 8 must be 0");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
+                  codes.size(1) == in / BLOCK * bytes,
+              "quant_linear: codes [out, in / 32 * ", bytes, "] uint8");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == out * (in / BLOCK) * ns,
+              "quant_linear: scales [out, in / 32 * ", ns, "] fp32");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out,
+                "bias [out] fp32");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = at::empty({m, out}, x.options());
+  if (m == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (fmt == 4)
+    run<Q4>(xp, m, qp, sp, bp, yp, in, out, threads);
+  else
+    run<Q8>(xp, m, qp, sp, bp, yp, in, out, threads);
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(specheads, m) {
+  m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, int fmt, Tensor? bias, int threads) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(specheads, CPU, m) { m.impl("quant_linear", &quant_linear); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_linear", &quant_linear, "y = x @ w.T (+ bias), w exactly block-coded (Q4_1 / Q8_0)");
+}
