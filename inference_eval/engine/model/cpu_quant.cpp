@@ -9,6 +9,7 @@
 // d times at most 8 bits), so one fused multiply-add gives the same float the dequantized
 // weight holds, and every row's products run in the same order whatever M is.
 #include "../kernel_api.h"
+#include "../vec_math.h"
 #include <torch/library.h>  // the op inductor calls in compiled graphs
 #include <omp.h>
 
@@ -19,10 +20,8 @@
 #include <vector>
 
 #if defined(__AVX512F__)
-constexpr int VW = 16;
 constexpr int ROWS = 3;
 #else
-constexpr int VW = 8;
 constexpr int ROWS = 1;
 #endif
 constexpr int COLS = 8;
@@ -31,40 +30,6 @@ constexpr int PREFETCH_AHEAD = 4;
 #ifndef CHUNK_ROWS
 #define CHUNK_ROWS 128
 #endif
-typedef float vec __attribute__((vector_size(VW * 4)));
-typedef float vec8 __attribute__((vector_size(32)));
-
-static inline vec loadu(const float* p) {
-  vec v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// a[c] summed over its lanes, c = 0..7, as one vector (as in cpu_linear.cpp).
-static inline vec8 reduce8(const vec* a) {
-#if defined(__AVX512F__)
-#define F1(x, y) (__builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) + \
-                  __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
-#define F2(x, y) (__builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) + \
-                  __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
-#define F3(x, y) (__builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) + \
-                  __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
-  const vec u = F3(F2(F1(a[0], a[1]), F1(a[2], a[3])), F2(F1(a[4], a[5]), F1(a[6], a[7])));
-  return __builtin_shufflevector(u, u, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(u, u, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-#define F1(x, y) (__builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14) + \
-                  __builtin_shufflevector(x, y, 1, 9, 3, 11, 5, 13, 7, 15))
-#define F2(x, y) (__builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) + \
-                  __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15))
-#define F3(x, y) (__builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + \
-                  __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15))
-  return F3(F2(F1(a[0], a[1]), F1(a[2], a[3])), F2(F1(a[4], a[5]), F1(a[6], a[7])));
-#endif
-#undef F1
-#undef F2
-#undef F3
-}
 
 // Q4_1: a block is 16 bytes, byte j holding weight j (low nibble) and j + 16 (high nibble),
 // and two floats (d, m). Vector v of the block (weights v*VW .. v*VW + VW) is the low or
@@ -216,12 +181,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.numel() == out * (in / BLOCK) * ns,
               "quant_linear: scales [out, in / 32 * ", ns, "] fp32");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out,
-                "bias [out] fp32");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_data(bias, out);
   auto y = at::empty({m, out}, x.options());
   if (m == 0) return y;
   const float* xp = x.data_ptr<float>();
