@@ -13,7 +13,10 @@
 #include <torch/library.h>  // the op inductor calls in compiled graphs
 #include <omp.h>
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define SPECHEADS_X86_DECODE 1
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -42,11 +45,18 @@ struct Q4 {
     __m512i n = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
     n = v < per_half ? _mm512_and_si512(n, _mm512_set1_epi32(15)) : _mm512_srli_epi32(n, 4);
     return (vec)_mm512_fmadd_ps(_mm512_cvtepi32_ps(n), _mm512_set1_ps(s[0]), _mm512_set1_ps(s[1]));
-#else
+#elif defined(SPECHEADS_X86_DECODE)
     __m256i n = _mm256_cvtepu8_epi32(
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (v % per_half) * VW)));
     n = v < per_half ? _mm256_and_si256(n, _mm256_set1_epi32(15)) : _mm256_srli_epi32(n, 4);
     return (vec)_mm256_fmadd_ps(_mm256_cvtepi32_ps(n), _mm256_set1_ps(s[0]), _mm256_set1_ps(s[1]));
+#else  // any other CPU: the compiler's vectors
+    typedef uint8_t u8v __attribute__((vector_size(VW)));
+    u8v b;
+    __builtin_memcpy(&b, q + (v % per_half) * VW, sizeof b);
+    ivec n = __builtin_convertvector(b, ivec);
+    n = v < per_half ? (n & 15) : (n >> 4);
+    return __builtin_convertvector(n, vec) * s[0] + s[1];
 #endif
   }
 };
@@ -58,9 +68,14 @@ struct Q8 {
 #if defined(__AVX512F__)
     const __m512i n = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + v * VW)));
     return (vec)_mm512_mul_ps(_mm512_cvtepi32_ps(n), _mm512_set1_ps(s[0]));
-#else
+#elif defined(SPECHEADS_X86_DECODE)
     const __m256i n = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + v * VW)));
     return (vec)_mm256_mul_ps(_mm256_cvtepi32_ps(n), _mm256_set1_ps(s[0]));
+#else
+    typedef int8_t i8v __attribute__((vector_size(VW)));
+    i8v b;
+    __builtin_memcpy(&b, q + v * VW, sizeof b);
+    return __builtin_convertvector(__builtin_convertvector(b, ivec), vec) * s[0];
 #endif
   }
 };
