@@ -95,8 +95,9 @@ def _run(cfg: PrecomputeConfig, rank: int, world: int) -> Manifest | None:
     bar = tqdm(total=sum(lengths[i] for k in todo for i in shards[k]), unit="tok",
                unit_scale=True, desc=f"precompute[{rank}]", disable=not cfg.progress)
     backend = make_backend(cfg.engine.attention, device)
+    # Batches of thousands of rows: no product is small enough for the weights' block code.
     set_cpu_blas(model, device.type == "cpu" and model.lm_head_weight.dtype == torch.float32
-                 and cfg.engine.cpu_blas != "torch")
+                 and cfg.engine.cpu_blas != "torch", codes=False)
     for k in todo:
         recs = [records[i] for i in shards[k]]
         bar.set_postfix(shard=f"{k + 1}/{len(shards)}")

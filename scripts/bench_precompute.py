@@ -166,7 +166,7 @@ def main() -> None:
 
     loaded = load_target(TargetConfig(dtype=args.dtype))
     model, tok = loaded.model, loaded.tokenizer
-    set_cpu_blas(model, args.dtype == "float32")  # what run.py does on CPU fp32
+    set_cpu_blas(model, args.dtype == "float32", codes=False)  # what run.py does on CPU fp32
     hf = AutoModelForCausalLM.from_pretrained(loaded.hf_dir,
                                               dtype=model.lm_head_weight.dtype).eval()
     data = load_conversations(DataConfig(limit=args.limit))

@@ -17,8 +17,10 @@ table, then one JSON line: {"bench": "spec", "step_costs": {...}, "cells": [{"ba
 
 Step costs first (batch 1, `--context` cached tokens, the engine's own model, cache, backend
 and GEMM paths): one autoregressive decode step (1 token in, logits for it), verification
-of K + 1 tokens (K = 1..4, logits for every row) and one draft step of the head (1 token,
-the head's lm_head: its reduced vocabulary when it has one). The three are timed round-robin
+of K + 1 tokens (K = 1..4, logits for every row), verification of a tree of the --tree shape
+(root plus `total` nodes under an ancestor mask), one draft step of the head (1 token, the
+head's lm_head: its reduced vocabulary when it has one) and one draft-tree level (`topk`
+nodes at once under their scratch mask). They are timed round-robin
 --step-reps times, so drift hits them alike; ratios are medians over the AR step's median.
 `--steps-only` stops after them.
 """

@@ -25,6 +25,10 @@ class EngineConfig:
     threads: int | None = None
     # CPU fp32 GEMMs through numpy's OpenBLAS (see model/linear.py): auto = on for CPU fp32.
     cpu_blas: str = "auto"
+    # On that path, read the target's small-row products from its weights' exact GGUF block
+    # code where there is one (model/cpu_quant.py: the same floats, a 4-5x shorter stream);
+    # false keeps the fp32 weights (the same results, for comparisons).
+    weight_codes: bool = True
     # Compile decode/verification steps of up to 16 rows with inductor (CPU fp32, dense GQA
     # targets; model/compiled.py): ~1.5x faster steps, ~75 s of compile per row count on 2
     # cores, paid on first use (engines `warm` the counts a run uses before timing it).

@@ -52,7 +52,7 @@ class LLMEngine:
             torch.set_num_threads(self.cfg.threads)
         self.cpu_blas = self.cfg.cpu_blas == "numpy" or (
             self.cfg.cpu_blas == "auto" and self.device.type == "cpu" and self.dtype == torch.float32)
-        set_cpu_blas(model, self.cpu_blas)
+        set_cpu_blas(model, self.cpu_blas, codes=self.cfg.weight_codes)
         if self.cfg.compile and model.compiled is None:  # shared by every engine of the model
             model.compiled = CompiledSteps(model)
         self.lookahead, self.warmed = lookahead, False

@@ -90,3 +90,29 @@ def test_engine_layers_take_the_code_and_keep_their_results():
         lin.weight.add_(1e-3)  # the weight changed: its old code must not serve
     set_cpu_blas(lin, True)
     assert lin.packed is None
+
+
+def test_engine_switch_keeps_the_fp32_weights():
+    from inference_eval.engine.config import EngineConfig
+    from inference_eval.engine.llm_engine import LLMEngine
+    from inference_eval.engine.model.arch import ModelArch
+    from inference_eval.engine.model.transformer import TransformerLM
+    from inference_eval.engine.sampling import SamplingParams
+
+    # Tied, every weight GGUF-coded (layers Q4_1, embedding Q8_0), so the whole model packs.
+    arch = ModelArch(vocab_size=64, intermediate_size=96, tie_word_embeddings=True)
+    model = TransformerLM(arch).eval().requires_grad_(False)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m.weight.copy_(coded(*m.weight.shape, fmt=4))
+        model.embed_tokens.weight.copy_(coded(64, 64, 8))
+    params = dict(max_new_tokens=6)
+    outs = []
+    for codes in (True, False):
+        eng = LLMEngine(model, None, EngineConfig(weight_codes=codes))
+        packed = [m.packed for m in model.modules() if hasattr(m, "packed")]
+        assert all(p is not None for p in packed) if codes else all(p is None for p in packed)
+        outs.append([r.token_ids for r in eng.generate([[1, 5, 9], [3, 4]], SamplingParams(**params),
+                                                       progress=False)])
+    assert outs[0] == outs[1]

@@ -100,12 +100,13 @@ class Linear(nn.Linear):
         return matmul_wt(x, self.weight, True, self.bias, self.packed)
 
 
-def set_cpu_blas(model: nn.Module, enabled: bool) -> None:
+def set_cpu_blas(model: nn.Module, enabled: bool, codes: bool = True) -> None:
     """Turn the CPU fast path on/off for every module of `model` that has one (Linear layers,
     the model's lm_head product; norms, attention's rope and the MLP's SwiGLU through
     cpu_fused). On, it builds both kernels once (never inside a timed step) for torch's
     current thread count, and makes Linear and Embedding (the tied
-    lm_head) weights contiguous [out, in], the layout the kernel streams."""
+    lm_head) weights contiguous [out, in], the layout the kernel streams; with `codes`, it
+    keeps each weight's exact block code beside it (cpu_quant.pack)."""
     if enabled:
         cpu_linear.enable(torch.get_num_threads())
         cpu_fused.enable(torch.get_num_threads())
@@ -117,7 +118,7 @@ def set_cpu_blas(model: nn.Module, enabled: bool) -> None:
             weight.data = weight.data.contiguous()
     for m in model.modules():  # after the layouts above: a packed code belongs to its weight
         if hasattr(m, "packed"):
-            _set_packed(m, enabled)
+            _set_packed(m, enabled and codes)
 
 
 def _set_packed(m: nn.Module, enabled: bool) -> None:
