@@ -1,7 +1,10 @@
 """Autoregressive decode speed: our engine vs transformers' `generate`, same run.
 
 Same target weights (SmolLM2 by default), dtype, thread count, prompts and token counts;
-greedy with eos ignored so both produce exactly --new-tokens per prompt. Each side runs every
+greedy with eos ignored so both produce exactly --new-tokens per prompt. Ours reads its
+small-row products from the weights' exact GGUF block code where the target has one
+(engine.weight_codes: the same fp32 weights transformers multiplies, from a shorter stream);
+--no-weight-codes reads the fp32 copy instead. Each side runs every
 batch size --reps times (its own runs back to back, see below); tokens/s is the median over
 them, the best beside it, and the ratio compares medians, so one slow spell of the machine
 does not decide it. Ends with one JSON line: {"bench": "decode", "ours_tok_s_bs1": ...,
@@ -54,6 +57,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per side and batch size")
+    ap.add_argument("--no-weight-codes", action="store_true",
+                    help="products from the fp32 weights, not their GGUF block code")
     ap.add_argument("--compile", action="store_true",
                     help="engine.compile: inductor-compiled decode steps (compiled before timing)")
     args = ap.parse_args()
@@ -70,7 +75,8 @@ def main() -> None:
     n = args.new_tokens
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
     eng = LLMEngine(loaded.model, tok, EngineConfig(attention=args.attention, device=args.device,
-                                                    compile=args.compile))
+                                                    compile=args.compile,
+                                                    weight_codes=not args.no_weight_codes))
     for bs in (1, 8):
         eng.warm(bs)  # engine.compile: rows 1 and 8, outside the timing
 
@@ -114,7 +120,8 @@ def main() -> None:
             res[f"base_best_tok_s_bs{bs}"] = round(max(base), 2)
     print(json.dumps({"bench": "decode", "target": loaded.identity["name"], "device": args.device,
                       "dtype": args.dtype, "threads": args.threads, "new_tokens": n,
-                      "compile": args.compile, "reps": args.reps, **res}))
+                      "compile": args.compile, "weight_codes": not args.no_weight_codes,
+                      "reps": args.reps, **res}))
 
 
 if __name__ == "__main__":
