@@ -22,13 +22,16 @@
 #   DATA=distill    the target answers the default prompt mix itself first (on-policy text)
 #   DATA=both       both, trained together (data.shards='a,b')
 #   quick (default) DATA=sharegpt, 80 conversations (65 kept, 42k tokens), 150 steps, K=2,
-#                   1 prompt per category (12); 3-5 min on 2 CPU cores (EPYC, Xeon;
-#                   8m10s on an older AVX2 machine), measured.
+#                   1 prompt per category (12); 3-5 min on 2 CPU cores (EPYC, Xeon:
+#                   2m57s there with the block-coded products; 8m50s on an AVX2-only
+#                   EPYC before setup built the kernels), measured.
 #   long            DATA=distill: 3000 prompts answered (160 tokens, batches of 64),
 #                   1500 steps, chains of K=1, 2, 4 and an EAGLE-2 tree on 2 prompts per
 #                   category (the target's own greedy text is what greedy evaluation
 #                   scores: ShareGPT's text raised held-out ShareGPT top-1, not real τ);
-#                   1h09m on the 2-core EPYC (K=4 τ 1.51, K=2 τ 1.48 at 1.04x), 1h21m on a
+#                   59m on a 2-core Xeon with the block-coded products (the same τ, every
+#                   run faster, K=2 at 0.89x of the faster baseline); 1h09m on the 2-core
+#                   EPYC before (K=4 τ 1.51, K=2 τ 1.48 at 1.04x), 1h21m on a
 #                   2-core Xeon before batched decoding got 2x faster (K=2 at 1.13x there;
 #                   README "Where acceptance stands"). PROMPTS_N=1500 STEPS=1000, the earlier default:
 #                   1h45m on the EPYC then, K=4 τ 1.43.
