@@ -38,6 +38,7 @@ import time
 import torch
 
 from inference_eval.engine.attention import BatchLayout
+from inference_eval.engine.speculative.tree import tree_attention_mask
 from inference_eval.engine.target import load_target
 from inference_eval.evaluation import evaluate
 from inference_eval.evaluation.config import EvalConfig
@@ -84,18 +85,6 @@ def _tree_shape(depth: int, topk: int, total: int) -> tuple[list[int], list[int]
     return parents, depths
 
 
-def _ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """bool [N, N]: node i may attend to node j when j is i or one of its ancestors."""
-    n = len(parents)
-    mask = torch.eye(n, dtype=torch.bool)
-    for i in range(n):
-        j = parents[i]
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
-
-
 @torch.inference_mode()
 def step_costs(args: argparse.Namespace) -> dict:
     """Median/min ms of an AR step, a K+1-token verification and a head draft step (module
@@ -127,7 +116,7 @@ def step_costs(args: argparse.Namespace) -> dict:
 
     depth_d, topk, total = args.tree
     parents, depth = _tree_shape(depth_d, topk, total)
-    tree_mask = _ancestor_mask(parents)
+    tree_mask = tree_attention_mask(torch.tensor(parents), torch.ones(len(parents), dtype=torch.bool))
     tree_pos = torch.tensor([ctx + d for d in depth])
 
     def verify_tree():

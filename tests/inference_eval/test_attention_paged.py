@@ -14,6 +14,7 @@ from inference_eval.engine.attention import cpu_paged
 from inference_eval.engine.attention.mla_torch import torch_attend_latent
 from inference_eval.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan
 from inference_eval.engine.kv_cache import KVCache
+from inference_eval.engine.speculative.tree import tree_attention_mask
 
 PS, PAGES = 4, 64
 
@@ -94,16 +95,8 @@ def test_paged_kernel_matches_float64_reference_and_general_path(q_lens, kv_lens
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
-def ancestors(parents):
-    """bool [N, N]: node i sees itself and its ancestors (parents[i] < i, -1 for the root)."""
-    m = torch.eye(len(parents), dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            m[i] |= m[p]
-    return m
-
-
-TREE = ancestors([-1, 0, 0, 0, 1, 1, 2, 4, 4, 7, 3, 5, 9])  # 13 nodes, depth 5
+TREE = tree_attention_mask(torch.tensor([-1, 0, 0, 0, 1, 1, 2, 4, 4, 7, 3, 5, 9]),
+                           torch.ones(13, dtype=torch.bool))  # 13 nodes, depth 5
 
 
 def test_tree_masks_through_the_kernel():

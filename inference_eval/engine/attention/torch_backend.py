@@ -94,6 +94,7 @@ class TorchAttentionPlan:
         self.groups = None
         self.kv_span = None  # (first slot, kv_len) when the keys are one contiguous run
         self.paged = None  # (block tables, cu_q, kv_lens) tensors for cpu_paged's kernel
+        self.paged_masks = None  # its tree masks (cpu_paged.tree_mask_tensors), if any
         self.gathered = False  # the gather / mask / group fields below are planned
         # Packed row spans of fresh whole sequences (module docstring), else None.
         fresh = (not group_of_step and layout.tree_masks is None

@@ -165,3 +165,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if torch.compiler.is_compiling():
         return torch.ops.specheads.small_linear(x.contiguous(), weight, bias, _state["threads"])
     return kernel().small_linear(x.contiguous(), weight, bias, _state["threads"])
+
+
+def threads() -> int:
+    """The thread count the product kernels run with (set by enable)."""
+    return _state["threads"]

@@ -128,7 +128,7 @@ def applies(x: torch.Tensor, packed: Packed | None) -> bool:
 
 def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in] @ weight[out, in].T + bias [out] -> [M, out]; call only where applies()."""
-    threads = cpu_linear._state["threads"]
+    threads = cpu_linear.threads()
     if torch.compiler.is_compiling():
         return torch.ops.specheads.quant_linear(x.contiguous(), packed.codes, packed.scales,
                                                 packed.fmt, bias, threads)

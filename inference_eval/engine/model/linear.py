@@ -55,7 +55,7 @@ def matmul_wt(x: torch.Tensor, weight: torch.Tensor, fast: bool,
     from `packed` (weight's exact block code, cpu_quant) where there is one: the same floats
     from a 4-5x shorter weight stream; more through OpenBLAS (one GEMV per row up to
     gemv_rows(weight) rows where the kernel is missing, else one GEMM)."""
-    if fast and x.dim() == 2 and x.shape[0] <= cpu_linear.SMALL_ROWS and cpu_quant.applies(x, packed):
+    if fast and cpu_quant.applies(x, packed) and x.shape[0] <= cpu_linear.SMALL_ROWS:
         return cpu_quant.linear(x, packed, bias)
     if fast and cpu_linear.applies(x, weight):
         return cpu_linear.linear(x, weight, bias)
