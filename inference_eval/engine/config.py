@@ -29,6 +29,11 @@ class EngineConfig:
     # code where there is one (model/cpu_quant.py: the same floats, a 4-5x shorter stream);
     # false keeps the fp32 weights (the same results, for comparisons).
     weight_codes: bool = True
+    # On that path, round a draft head's trained weights to this GGUF block code (q8_0: 8-bit
+    # blocks of 32 with an fp16 scale; or none) so its small-row products read it too: a
+    # draft step streams ~4x fewer bytes. It changes the head's floats slightly (drafts, never
+    # outputs: verification keeps greedy decoding lossless); none keeps the trained fp32 head.
+    head_code: str = "q8_0"
     # Compile decode/verification steps of up to 16 rows with inductor (CPU fp32, dense GQA
     # targets; model/compiled.py): ~1.5x faster steps, ~75 s of compile per row count on 2
     # cores, paid on first use (engines `warm` the counts a run uses before timing it).
@@ -44,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"engine.num_pages must be >= 1, got {self.num_pages}")
         if self.cpu_blas not in ("auto", "numpy", "torch"):
             raise ValueError(f"engine.cpu_blas={self.cpu_blas!r}: use auto, numpy or torch")
+        if self.head_code not in ("none", "q8_0", "q4_1"):
+            raise ValueError(f"engine.head_code={self.head_code!r}: use q8_0, q4_1 or none")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"engine.kv_cache_gb must be > 0, got {self.kv_cache_gb}")
 

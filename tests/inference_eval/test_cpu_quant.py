@@ -53,7 +53,7 @@ def test_pack_refuses_weights_without_an_exact_code():
 
 
 @pytest.mark.parametrize("fmt", [4, 8])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16])
 def test_products_equal_the_fp32_kernel_bit_for_bit(fmt, rows):
     # Same floats summed in the same order: mixing the two kernels by row count (and the
     # fp32 kernel past SMALL_ROWS) cannot change a greedy token.

@@ -102,7 +102,9 @@ def test_medusa_drafts_read_the_last_accepted_feature(tiny_hf, tmp_path):
     target feature of the prompt's last token; after a round, on the last accepted one."""
     loaded = _loaded(tiny_hf)
     head = _medusa(loaded, tmp_path / "m")
-    eng = build_engine(loaded, EngineConfig(**CFG), SimpleNamespace(
+    # head_code=none: the drafter keeps the trained floats `head` holds (test_head_code.py
+    # covers the rounded default).
+    eng = build_engine(loaded, EngineConfig(**CFG, head_code="none"), SimpleNamespace(
         kind="head", checkpoint=str(tmp_path / "m"), num_draft=3, scheme="chain"))
     assert isinstance(eng.drafter, MedusaDrafter)
     req = eng.add_request(_prompts(1)[0], SamplingParams(max_new_tokens=20, ignore_eos=True))

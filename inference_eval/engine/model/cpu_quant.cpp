@@ -24,8 +24,10 @@
 
 #if defined(__AVX512F__)
 constexpr int ROWS = 3;
+constexpr int WIDE_ROWS = 6;  // 24 accumulators + 6 x vectors + 1 weight vector of 32 registers
 #else
 constexpr int ROWS = 1;
+constexpr int WIDE_ROWS = 0;
 #endif
 constexpr int COLS = 8;
 constexpr int BLOCK = 32;  // weights per block
@@ -88,9 +90,11 @@ struct F32 {
   }
 };
 
-// R rows of x [R, in] against 8 coded weight rows (q: row stride qrow bytes; s: row stride
-// srow floats) -> y[r, 0..8). pf / pfs: the block of rows to prefetch meanwhile, or nullptr.
-template <class F, int R>
+// R rows of x [R, in] against NC (8 or 4) coded weight rows (q: row stride qrow bytes; s: row
+// stride srow floats) -> y[r, 0..NC). pf: the same rows of the block to prefetch meanwhile,
+// or nullptr. A 4-row-wide tile leaves the other 4 accumulators of reduce8 at zero: its lane
+// folds never mix columns, so each output is summed in the same order either way.
+template <class F, int R, int NC = COLS>
 static inline void tile(const float* x, const uint8_t* q, const float* s, const float* bias,
                         float* y, int64_t in, int64_t out, int64_t qrow, int64_t srow,
                         const uint8_t* pf) {
@@ -101,26 +105,40 @@ static inline void tile(const float* x, const uint8_t* q, const float* s, const 
     const int64_t b = k / BLOCK;
     const int v = static_cast<int>(k % BLOCK) / VW;
     if (pf && v == 0 && (b * F::BYTES) % 64 == 0)
-      for (int c = 0; c < COLS; ++c) __builtin_prefetch(pf + c * qrow + b * F::BYTES, 0, 2);
+      for (int c = 0; c < NC; ++c) __builtin_prefetch(pf + c * qrow + b * F::BYTES, 0, 2);
     vec xv[R];
     for (int r = 0; r < R; ++r) xv[r] = loadu(x + r * in + k);
-    for (int c = 0; c < COLS; ++c) {
+    for (int c = 0; c < NC; ++c) {
       vec wv = F::decode(q + c * qrow + b * F::BYTES, s + c * srow + b * F::SCALES, v);
       asm("" : "+v"(wv));  // decoded once for all R rows
       for (int r = 0; r < R; ++r) acc[r][c] += xv[r] * wv;
     }
   }
   vec8 bv = {};
-  if (bias) __builtin_memcpy(&bv, bias, sizeof bv);
+  if (bias) __builtin_memcpy(&bv, bias, NC * sizeof(float));
   for (int r = 0; r < R; ++r) {
     const vec8 t = reduce8(acc[r]) + bv;
-    __builtin_memcpy(y + r * out, &t, sizeof t);
+    __builtin_memcpy(y + r * out, &t, NC * sizeof(float));
   }
 }
 
-// Every row of x against one block of 8 coded weight rows. Up to ROWS rows (one tile) decode
-// each weight vector in registers; more rows would decode it once per tile, so the block is
-// decoded once into `scratch` (8 rows, L1/L2-resident) and the tiles read it as fp32.
+// R rows (4..WIDE_ROWS) against a block of 8 coded rows as two 4-row-wide tiles: R x 4
+// accumulators fit in registers where R x 8 do not, and each weight vector is still decoded
+// once for all R rows (the x rows are read twice, from L1).
+template <class F, int R>
+static inline void halves(const float* x, const uint8_t* q, const float* s, const float* bias,
+                          float* y, int64_t in, int64_t out, int64_t qrow, int64_t srow,
+                          const uint8_t* pf) {
+  constexpr int H = COLS / 2;
+  tile<F, R, H>(x, q, s, bias, y, in, out, qrow, srow, pf);
+  tile<F, R, H>(x, q + H * qrow, s + H * srow, bias ? bias + H : nullptr, y + H, in, out, qrow,
+                srow, pf ? pf + H * qrow : nullptr);
+}
+
+// Every row of x against one block of 8 coded weight rows. Up to ROWS rows (one tile), and up
+// to WIDE_ROWS as two 4-row-wide tiles, decode each weight vector in registers; more rows would
+// decode it once per tile, so the block is decoded once into `scratch` (8 rows, L1/L2-resident)
+// and the tiles read it as fp32.
 template <class F>
 static void block(const float* x, int64_t m, const uint8_t* q, const float* s, const float* bias,
                   float* y, int64_t in, int64_t out, int64_t qrow, int64_t srow,
@@ -134,6 +152,14 @@ static void block(const float* x, int64_t m, const uint8_t* q, const float* s, c
       if (m == 3) tile<F, 3>(x, q, s, bias, y, in, out, qrow, srow, pf);
     }
     return;
+  }
+  if constexpr (WIDE_ROWS >= 6) {
+    if (m <= WIDE_ROWS) {
+      if (m == 4) halves<F, 4>(x, q, s, bias, y, in, out, qrow, srow, pf);
+      if (m == 5) halves<F, 5>(x, q, s, bias, y, in, out, qrow, srow, pf);
+      if (m == 6) halves<F, 6>(x, q, s, bias, y, in, out, qrow, srow, pf);
+      return;
+    }
   }
   scratch.resize(COLS * in);
   float* w = scratch.data();

@@ -136,6 +136,31 @@ def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) ->
                                  threads)
 
 
+CODE_FORMATS = {"q8_0": 8, "q4_1": 4}
+
+
+def code_weights(model: torch.nn.Module, code: str) -> int:
+    """Round, in place, every trained weight (an nn.Parameter) of `model` that its fast path
+    may pack (modules with a `packed` slot: Linear layers, EAGLE-3's own lm_head rows) to GGUF
+    block code `code` (q8_0, q4_1), so that `pack` finds it and its small-row products read
+    1.125 (0.75) bytes a weight instead of 4. Unlike the target's codes this changes the
+    floats: for draft heads, whose drafts verification checks anyway (engine.head_code).
+    Buffers are never touched (a head's frozen lm_head rows share or copy the target's);
+    shapes the kernel cannot take stay fp32. Returns how many weights were rounded."""
+    fmt = CODE_FORMATS[code]
+    done = 0
+    with torch.no_grad():
+        for m in model.modules():
+            if not hasattr(m, "packed"):
+                continue
+            w = m.packable_weight()
+            if (isinstance(w, torch.nn.Parameter) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"
+                    and w.shape[1] % BLOCK == 0 and w.shape[0] % 8 == 0):
+                w.copy_(gguf_round_trip(w, fmt))
+                done += 1
+    return done
+
+
 def gguf_round_trip(weight: torch.Tensor, fmt: int) -> torch.Tensor:
     """weight [out, in] -> the fp32 weights GGUF's reference quantizer (Q4_1: fmt 4, Q8_0:
     fmt 8) and its dequantizer make of it: what a GGUF target loads, for tests and

@@ -42,6 +42,7 @@ from torch import nn
 
 from inference_eval.engine.attention import BatchLayout
 from inference_eval.engine.kv_cache import KVCache
+from inference_eval.engine.model.cpu_quant import code_weights
 from inference_eval.engine.model.compiled import CompiledHeadSteps, CompiledSteps, compilable
 from inference_eval.engine.model.linear import set_cpu_blas
 from inference_eval.engine.model.transformer import ModelOutput, StepContext, TransformerLM
@@ -64,11 +65,17 @@ class Drafter:
     max_steps: int | None = None
     backend = None  # set by bind()
 
-    def bind(self, backend, cpu_blas: bool) -> None:
+    def bind(self, backend, cpu_blas: bool, weight_codes: bool = True,
+             head_code: str = "none") -> None:
         """The engine's attention backend (a drafter plans its own layouts with it) and its
-        CPU BLAS setting (the draft's GEMMs take the target's path)."""
+        CPU BLAS setting (the draft's GEMMs take the target's path; `weight_codes` and
+        `head_code`, engine.weight_codes / engine.head_code, say how on that path)."""
         self.backend = backend
+        self.weight_codes, self.head_code = weight_codes, head_code
         self.use_cpu_blas(cpu_blas)
+
+    weight_codes = True  # set by bind()
+    head_code = "none"
 
     def use_cpu_blas(self, enabled: bool) -> None:
         pass
@@ -139,7 +146,12 @@ class _HeadLogits:
         self.d2t = None if d2t is None else d2t.to(device)
 
     def use_cpu_blas(self, enabled: bool) -> None:
-        set_cpu_blas(self.head, enabled)
+        """On the fast path with a head_code (engine.head_code) the head's trained weights are
+        rounded to that block code once, so its products read the code (cpu_quant.code_weights)."""
+        if enabled and self.head_code != "none" and getattr(self, "coded_as", None) != self.head_code:
+            code_weights(self.head, self.head_code)
+            self.coded_as = self.head_code
+        set_cpu_blas(self.head, enabled, codes=self.weight_codes)
         self.cpu_blas = enabled
 
     def _logits(self, feats: torch.Tensor) -> torch.Tensor:
@@ -295,7 +307,7 @@ class LLMDrafter(Drafter):
         self.aux_layers: list[int] = []
 
     def use_cpu_blas(self, enabled: bool) -> None:
-        set_cpu_blas(self.model, enabled)
+        set_cpu_blas(self.model, enabled, codes=self.weight_codes)
 
     def warm(self, rows):
         if not compilable(self.model):

@@ -52,7 +52,7 @@ class SpecEngine(LLMEngine):
             raise ValueError(f"draft.num_draft={max_accepted} is more than the {self.drafter.max_steps} "
                              "draft steps this drafter has (a Medusa checkpoint has one head per "
                              f"step): set draft.num_draft <= {self.drafter.max_steps}")
-        self.drafter.bind(self.backend, self.cpu_blas)
+        self.drafter.bind(self.backend, self.cpu_blas, self.cfg.weight_codes, self.cfg.head_code)
         self.timing = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "catch_up": 0.0}
         self.counters = {"rounds": 0, "host_syncs": 0}  # device-to-host reads per round
 
