@@ -123,7 +123,8 @@ def run_ours(a: argparse.Namespace) -> int:
     items = load_prompts(pcfg)
     ids = [encode_prompt(loaded.tokenizer, it.turns[0], chat=True) for it in items]
     params = SamplingParams(temperature=0.0, max_new_tokens=a.max_new)
-    cfg = EngineConfig(max_batch_size=a.batch)
+    # head_code=none: vLLM serves the exported fp32 head, so ours drafts from the same floats.
+    cfg = EngineConfig(max_batch_size=a.batch, head_code="none")
     runs = {}
     for label, draft in (("ar", DraftConfig(kind="none")),
                          ("spec", DraftConfig(kind="head", checkpoint=str(head_dir),

@@ -17,9 +17,12 @@ A whole SmolLM2 step's products (its real weights; 2-core Xeon, 2 threads), ms:
     from the code   7.4    8.4   15.3   19.3   26.3   30.1
     fp32 kernel    19.8   23.6   22.3   24.8   28.5   30.4   (cpu_linear)
 
-Up to 3 rows (AVX-512; 1 with AVX2) each weight vector is decoded in registers once for all
-rows; more rows decode a block of 8 weight rows once into an L1/L2 scratch that the fp32
-tiles then read, so from ~16 rows on the products are compute-bound either way. The kernel
+(EPYC Zen 4, 2026-12-04, after the wide tiles: 1 / 4 / 5 / 8 rows 7.6-8.4 / 11.2 / 12.6 /
+18.5 ms.) Up to 6 rows (AVX-512; 1 with AVX2) each weight vector is decoded in registers once
+for all rows (4-6 rows as two tiles of 4 outputs); more rows decode a block of 8 weight rows
+once into an L1/L2 scratch that the fp32 tiles then read, so from ~16 rows on the products
+are compute-bound either way. `code_weights` rounds a draft head's trained weights to a code
+(engine.head_code) so that its products take this path too. The kernel
 walks the weights in cpu_linear's order with its tiles and reduction: its results are the
 fp32 kernel's bit for bit (tested), so the engine may pick either by row count without
 changing a token. linear.matmul_wt takes it for CPU fp32 inference products of up to
