@@ -67,6 +67,31 @@ def test_race_keeps_the_kernel_as_far_as_it_wins(monkeypatch):
     assert cpu_linear.serves_all_rows() == (cpu_linear.max_rows() == cpu_linear.ALL_ROWS)
 
 
+def test_race_verdict_is_kept_and_read_by_later_processes(width, tmp_path, monkeypatch):
+    """The race runs once per machine, build and thread count: a second process (here: the
+    cache cleared) reads the kept verdict instead of racing, so both sum in the same order
+    (a resumed precompute writes the same bytes). A damaged verdict file is raced again."""
+    path = tmp_path / "verdict.json"
+    monkeypatch.setattr(cpu_linear, "verdict_path", lambda: path)
+    cpu_linear.max_rows.cache_clear()
+    try:
+        first = cpu_linear.max_rows()  # raced here, and written
+        assert cpu_linear.read_verdict(path) == first
+        cpu_linear.write_verdict(path, cpu_linear.RACE_ROWS[0], {})
+        cpu_linear.max_rows.cache_clear()
+        with monkeypatch.context() as m:
+            m.setattr(cpu_linear, "time_paths", lambda *a, **k: pytest.fail("raced again"))
+            assert cpu_linear.max_rows() == cpu_linear.RACE_ROWS[0]
+        path.write_text("{not json")
+        assert cpu_linear.read_verdict(path) is None
+        cpu_linear.max_rows.cache_clear()
+        assert cpu_linear.max_rows() in (cpu_linear.SMALL_ROWS, *cpu_linear.RACE_ROWS[:-1],
+                                         cpu_linear.ALL_ROWS)
+        assert cpu_linear.read_verdict(path) is not None  # rewritten
+    finally:
+        cpu_linear.max_rows.cache_clear()  # later tests read the machine's own verdict
+
+
 def test_applies_only_where_the_kernel_can_run(width):
     w = torch.randn(96, 64)
     x = torch.randn(4, 64)

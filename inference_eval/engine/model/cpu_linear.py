@@ -50,6 +50,8 @@ external kernel while it still fuses the step's elementwise work). Built once pe
 from __future__ import annotations
 
 import functools
+import json
+import os
 import time
 from pathlib import Path
 
@@ -92,20 +94,61 @@ def enable(threads: int) -> bool:
 @functools.cache
 def max_rows() -> int:
     """Up to how many rows products run in the kernel: always SMALL_ROWS (where one pass
-    over the weight is the point); beyond that, as far as it beat OpenBLAS when raced once
-    per process on three SmolLM2 layer shapes at RACE_ROWS rows (best of 3). On the 2-core
+    over the weight is the point); beyond that, as far as it beat OpenBLAS when raced on
+    three SmolLM2 layer shapes at RACE_ROWS rows (best of 3). On the 2-core
     EPYC (Zen 5) the kernel, in chunks of 128 rows, ran them at 275-330 GFLOP/s from 48 to
     2048 rows against OpenBLAS's 157-209 (a whole step's products: 250-290 vs 100-195), so
     it serves every size there; a machine whose BLAS wins keeps it for the larger products
-    (the 2-core Xeon: up to 128 rows in the kernel, OpenBLAS beyond)."""
+    (the 2-core Xeon: up to 128 rows in the kernel, OpenBLAS beyond).
+
+    The verdict is raced once per machine, kernel build and thread count, and kept beside the
+    built kernel (`verdict_path`): the two paths sum in different orders, so a close race that
+    went the other way in a second process would change its floats, and a resumed precompute
+    must write the bytes the first process would have."""
     if kernel() is None:
         return SMALL_ROWS
+    path = verdict_path()
+    kept = read_verdict(path)
+    if kept is not None:
+        return kept
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen) for o, i in ((3072, 576), (576, 1536), (960, 576))]
     cases = {m: [(torch.randn(m, w.shape[1], generator=gen), w) for w in weights]
              for m in RACE_ROWS}
     secs = time_paths(cases, reps=3)
-    return pick_max_rows(secs["kernel"], secs["openblas"])
+    rows = pick_max_rows(secs["kernel"], secs["openblas"])
+    write_verdict(path, rows, secs)
+    return rows
+
+
+def verdict_path() -> Path | None:
+    """Where the race's verdict for this build and thread count is kept (None: no kernel)."""
+    kern = kernel()
+    if kern is None or not getattr(kern, "__file__", None):
+        return None
+    so = Path(kern.__file__)
+    st = so.stat()
+    return so.parent / f"max_rows.t{_state['threads']}.{st.st_mtime_ns}.{st.st_size}.json"
+
+
+def read_verdict(path: Path | None) -> int | None:
+    try:
+        return int(json.loads(path.read_text())["max_rows"]) if path is not None else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent or unreadable: race again
+
+
+def write_verdict(path: Path | None, rows: int, secs: dict) -> None:
+    """Atomically (two processes may race at once; either verdict is a valid one); a
+    read-only build directory just means racing per process, as before."""
+    if path is None:
+        return
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"max_rows": rows, "seconds": secs}))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def time_paths(cases: dict, reps: int) -> dict[str, dict]:
