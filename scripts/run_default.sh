@@ -29,6 +29,8 @@
 #                   1500 steps, chains of K=1, 2, 4 and an EAGLE-2 tree on 2 prompts per
 #                   category (the target's own greedy text is what greedy evaluation
 #                   scores: ShareGPT's text raised held-out ShareGPT top-1, not real τ);
+#                   1h15m on a 2-core EPYC (Zen 4) on 2026-12-04 with the Q8_0 head
+#                   (K=1 τ 1.379 0.98x, K=2 τ 1.476 0.96x; distillation there 216 tok/s);
 #                   59m on a 2-core Xeon with the block-coded products (the same τ, every
 #                   run faster, K=2 at 0.89x of the faster baseline); 1h09m on the 2-core
 #                   EPYC before (K=4 τ 1.51, K=2 τ 1.48 at 1.04x), 1h21m on a
