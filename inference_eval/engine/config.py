@@ -49,8 +49,11 @@ class EngineConfig:
             raise ValueError(f"engine.num_pages must be >= 1, got {self.num_pages}")
         if self.cpu_blas not in ("auto", "numpy", "torch"):
             raise ValueError(f"engine.cpu_blas={self.cpu_blas!r}: use auto, numpy or torch")
-        if self.head_code not in ("none", "q8_0", "q4_1"):
-            raise ValueError(f"engine.head_code={self.head_code!r}: use q8_0, q4_1 or none")
+        from inference_eval.engine.model.cpu_quant import CODE_FORMATS
+
+        if self.head_code != "none" and self.head_code not in CODE_FORMATS:
+            raise ValueError(f"engine.head_code={self.head_code!r}: use none or one of "
+                             f"{sorted(CODE_FORMATS)}")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"engine.kv_cache_gb must be > 0, got {self.kv_cache_gb}")
 

@@ -91,6 +91,17 @@ struct F32 {
   }
 };
 
+// The tiles' epilogue: each row's NC dot products reduced together (+ bias) -> y[r, 0..NC).
+template <int R, int NC>
+static inline void store(const vec (&acc)[R][COLS], const float* bias, float* y, int64_t out) {
+  vec8 bv = {};
+  if (bias) __builtin_memcpy(&bv, bias, NC * sizeof(float));
+  for (int r = 0; r < R; ++r) {
+    const vec8 t = reduce8(acc[r]) + bv;
+    __builtin_memcpy(y + r * out, &t, NC * sizeof(float));
+  }
+}
+
 // R rows of x [R, in] against NC (8 or 4) coded weight rows (q: row stride qrow bytes; s: row
 // stride srow floats) -> y[r, 0..NC). pf: the same rows of the block to prefetch meanwhile,
 // or nullptr. A 4-row-wide tile leaves the other 4 accumulators of reduce8 at zero: its lane
@@ -115,12 +126,7 @@ static inline void tile(const float* x, const uint8_t* q, const float* s, const 
       for (int r = 0; r < R; ++r) acc[r][c] += xv[r] * wv;
     }
   }
-  vec8 bv = {};
-  if (bias) __builtin_memcpy(&bv, bias, NC * sizeof(float));
-  for (int r = 0; r < R; ++r) {
-    const vec8 t = reduce8(acc[r]) + bv;
-    __builtin_memcpy(y + r * out, &t, NC * sizeof(float));
-  }
+  store<R, NC>(acc, bias, y, out);
 }
 
 #if defined(__AVX512F__)
@@ -160,12 +166,7 @@ static inline void tile_q4(const float* x, const uint8_t* q, const float* s, con
       for (int r = 0; r < R; ++r) acc[r][c] += x1[r] * w1;
     }
   }
-  vec8 bv = {};
-  if (bias) __builtin_memcpy(&bv, bias, NC * sizeof(float));
-  for (int r = 0; r < R; ++r) {
-    const vec8 t = reduce8(acc[r]) + bv;
-    __builtin_memcpy(y + r * out, &t, NC * sizeof(float));
-  }
+  store<R, NC>(acc, bias, y, out);
 }
 
 #endif
@@ -210,7 +211,7 @@ static void block(const float* x, int64_t m, const uint8_t* q, const float* s, c
     }
     return;
   }
-  if constexpr (WIDE_ROWS >= 6) {
+  if constexpr (WIDE_ROWS > ROWS) {
     if (m <= WIDE_ROWS) {
       if (m == 4) halves<F, 4>(x, q, s, bias, y, in, out, qrow, srow, pf);
       if (m == 5) halves<F, 5>(x, q, s, bias, y, in, out, qrow, srow, pf);

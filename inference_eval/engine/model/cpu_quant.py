@@ -111,11 +111,17 @@ def _q8_0(b: torch.Tensor) -> Packed | None:
                   d.reshape(out, -1).contiguous(), 8)
 
 
+def codable(weight: torch.Tensor) -> bool:
+    """Whether the kernel can take `weight` as a block code: [out, in] fp32 on CPU, in a
+    multiple of 32 (whole blocks), out of 8 (whole tiles)."""
+    return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and weight.shape[1] % BLOCK == 0 and weight.shape[0] % 8 == 0)
+
+
 def pack(weight: torch.Tensor) -> Packed | None:
     """weight [out, in] fp32 on CPU -> its exact Q4_1 or Q8_0 code (the smaller that
     reproduces every weight), or None."""
-    if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
-            or weight.shape[1] % BLOCK or weight.shape[0] % 8):
+    if not codable(weight):
         return None
     with torch.no_grad():
         b = weight.detach().reshape(weight.shape[0], -1, BLOCK)
@@ -139,7 +145,7 @@ def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) ->
                                  threads)
 
 
-CODE_FORMATS = {"q8_0": 8, "q4_1": 4}
+CODE_FORMATS = {"q8_0": 8, "q4_1": 4}  # engine.head_code -> quant_linear fmt
 
 
 def code_weights(model: torch.nn.Module, code: str) -> int:
@@ -157,8 +163,7 @@ def code_weights(model: torch.nn.Module, code: str) -> int:
             if not hasattr(m, "packed"):
                 continue
             w = m.packable_weight()
-            if (isinstance(w, torch.nn.Parameter) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"
-                    and w.shape[1] % BLOCK == 0 and w.shape[0] % 8 == 0):
+            if isinstance(w, torch.nn.Parameter) and codable(w):
                 w.copy_(gguf_round_trip(w, fmt))
                 done += 1
     return done

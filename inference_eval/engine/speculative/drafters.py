@@ -139,6 +139,8 @@ class _HeadLogits:
     """The lm_head of a heads.DraftHead in the target vocabulary: a reduced vocabulary
     (EAGLE-3 d2t) is scattered back with -inf for the tokens outside it."""
 
+    coded_as = "none"  # the block code the head's weights were rounded to (use_cpu_blas)
+
     def _setup(self, head: nn.Module, device, dtype) -> None:
         self.head = head.to(device=device, dtype=dtype).eval()
         self.device, self.cpu_blas = torch.device(device), False
@@ -148,7 +150,7 @@ class _HeadLogits:
     def use_cpu_blas(self, enabled: bool) -> None:
         """On the fast path with a head_code (engine.head_code) the head's trained weights are
         rounded to that block code once, so its products read the code (cpu_quant.code_weights)."""
-        if enabled and self.head_code != "none" and getattr(self, "coded_as", None) != self.head_code:
+        if enabled and self.head_code not in ("none", self.coded_as):
             code_weights(self.head, self.head_code)
             self.coded_as = self.head_code
         set_cpu_blas(self.head, enabled, codes=self.weight_codes)
