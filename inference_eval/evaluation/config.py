@@ -19,7 +19,7 @@ from inference_eval.evaluation.prompts import PromptsConfig
 from inference_eval.engine.sampling import SamplingParams
 from inference_eval.engine.target import TargetConfig
 
-DRAFT_KINDS = ("none", "head", "llm")
+DRAFT_KINDS = ("none", "head", "llm", "lookup")
 SCHEMES = ("chain", "tree")
 BASELINE_LABEL = "ar"
 
@@ -29,7 +29,14 @@ class DraftConfig:
     """The `draft` group: what proposes tokens for the target to verify.
 
     kind: none (autoregressive baseline) | head (a trained head checkpoint dir) | llm (a
-        separate small model `llm`, sharing the target's tokenizer).
+        separate small model `llm`, sharing the target's tokenizer) | lookup (n-gram lookup
+        only: no model drafts).
+    lookup: head / llm chains: n-gram lookup drafts first (engine/speculative/lookup.py);
+        rounds it finds nothing for draft `model_draft` tokens from the model (None: num_draft).
+        kind=lookup implies it. lookup_corpus: precompute shard dirs ('a,b') whose answer
+        tokens (the loss mask) become the corpus n-gram table (None: the request's own
+        context only); lookup_min_match / lookup_max_match: the context n-gram lengths
+        tried, longest first.
     scheme: chain (num_draft tokens in a line) | tree (EAGLE-2 dynamic tree: `topk` children
         per expanded node, `depth` levels, `total_tokens` kept after pruning).
     name: label in the report (None = derived from checkpoint/llm name and scheme).
@@ -48,8 +55,15 @@ class DraftConfig:
     # Head chains: the head catches up on the verify pass's layout before the host learns the
     # accepted length (the write-up's MTP round; see engine/speculative/drafters.py).
     sync_free: bool = False
+    lookup: bool = False
+    lookup_corpus: str | None = None
+    lookup_min_match: int = 2
+    lookup_max_match: int = 8
+    model_draft: int | None = None
 
     def __post_init__(self) -> None:
+        if self.kind == "lookup":
+            self.lookup = True
         if self.kind not in DRAFT_KINDS:
             raise ValueError(f"draft.kind={self.kind!r}: use one of {DRAFT_KINDS}")
         if self.scheme not in SCHEMES:
@@ -66,6 +80,18 @@ class DraftConfig:
         if self.sync_free and (self.kind != "head" or self.scheme != "chain"):
             raise ValueError("draft.sync_free applies to head chains (draft=head, "
                              f"scheme=chain), not kind={self.kind} scheme={self.scheme}")
+        if self.lookup and self.scheme != "chain":
+            raise ValueError("draft.lookup drafts chains: use scheme=chain (an EAGLE-2 tree "
+                             "grows from one model's top-k, which lookup does not have)")
+        if not 1 <= self.lookup_min_match <= self.lookup_max_match:
+            raise ValueError("draft.lookup_min_match / lookup_max_match must satisfy 1 <= min <= "
+                             f"max, got {self.lookup_min_match} / {self.lookup_max_match}")
+        if self.model_draft is not None and (not self.lookup or self.kind == "lookup"
+                                             or self.model_draft < 1):
+            raise ValueError(f"draft.model_draft={self.model_draft!r}: an integer >= 1, for head or "
+                             "llm chains with lookup=true (the model's drafts where lookup has none)")
+        if self.lookup_corpus is not None and not self.lookup:
+            raise ValueError("draft.lookup_corpus needs lookup=true (or kind=lookup)")
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
             raise ValueError(f"draft.name must be a non-empty string or null, got {self.name!r}")
 
@@ -76,8 +102,10 @@ class DraftConfig:
             return self.name
         if self.kind == "none":
             return BASELINE_LABEL
+        if self.kind == "lookup":
+            return "lookup-chain"
         base = Path(str(self.checkpoint)).name if self.kind == "head" else self.llm.name
-        return f"{base}-{self.scheme}"
+        return f"{base}-{self.scheme}" + ("-lookup" if self.lookup else "")
 
     @property
     def report_scheme(self) -> str:

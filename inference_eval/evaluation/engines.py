@@ -9,9 +9,11 @@ from heads.frozen import FrozenParts
 from inference_eval.engine.config import EngineConfig
 from inference_eval.engine.llm_engine import LLMEngine
 from inference_eval.engine.speculative.drafters import HeadDrafter, LLMDrafter, MedusaDrafter
+from inference_eval.engine.speculative.lookup_drafter import LookupDrafter
 from inference_eval.engine.speculative.spec_engine import SpecEngine
 from inference_eval.engine.speculative.tree_engine import TreeSpecEngine
 from inference_eval.engine.target import LoadedTarget, load_target
+from inference_eval.evaluation.lookup_corpus import load_lookup_table
 
 
 def frozen_parts_of(loaded):
@@ -24,7 +26,8 @@ def frozen_parts_of(loaded):
 def build_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg) -> LLMEngine:
     """The engine of one run; every engine has LLMEngine's generate() and meta contract.
     draft_cfg.kind: none -> LLMEngine; head -> a head checkpoint drafting a chain or tree;
-    llm -> a separate small LLM (draft_cfg.llm, a TargetConfig) with the same tokenizer."""
+    llm -> a separate small LLM (draft_cfg.llm, a TargetConfig) with the same tokenizer;
+    lookup -> n-gram lookup only (draft_cfg.lookup puts it in front of a head or an LLM)."""
     if draft_cfg.kind == "none":
         return LLMEngine(loaded.model, loaded.tokenizer, engine_cfg)
     return build_spec_engine(loaded, engine_cfg, draft_cfg)
@@ -66,9 +69,26 @@ def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg)
             raise ValueError(f"draft LLM vocab {draft.arch.vocab_size} != target vocab "
                              f"{loaded.model.arch.vocab_size}: a draft must share the tokenizer")
         make = lambda pages, ps, dev, dt: LLMDrafter(draft, pages, ps, dev, dt)  # noqa: E731
+    elif kind == "lookup":
+        make = lambda pages, ps, dev, dt: None  # noqa: E731
     else:
-        raise ValueError(f"draft.kind={kind!r}: use none, head or llm")
+        raise ValueError(f"draft.kind={kind!r}: use none, head, llm or lookup")
+    if getattr(draft_cfg, "lookup", False):
+        make = _with_lookup(make, loaded, draft_cfg)
     if scheme == "tree":
         return TreeSpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.depth,
                               draft_cfg.topk, draft_cfg.total_tokens)
     return SpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.num_draft)
+
+
+def _with_lookup(make, loaded: LoadedTarget, draft_cfg):
+    """A drafter factory whose drafter sits behind n-gram lookup (its corpus table built once)."""
+    corpus = getattr(draft_cfg, "lookup_corpus", None)
+    table = None if corpus is None else load_lookup_table(corpus, loaded.tokenizer)
+    vocab = loaded.model.arch.vocab_size
+
+    def make_lookup(pages, ps, dev, dt):
+        return LookupDrafter(make(pages, ps, dev, dt), table, vocab, dev,
+                             model_draft=getattr(draft_cfg, "model_draft", None),
+                             min_match=draft_cfg.lookup_min_match, max_match=draft_cfg.lookup_max_match)
+    return make_lookup

@@ -13,6 +13,7 @@ report.json (format_version 1):
               from median passes), best_speedup (best pass over best baseline pass),
               decode_tokens_per_s and decode_speedup (prefill time and its tokens left out),
               host_syncs_per_round (chain engines: device-to-host reads per decode round),
+              lookup_share (lookup drafting: share of decode rounds drafted by lookup),
               lossless_check {compared, mismatched, mismatches} (null unless greedy),
               by_category {category: summary}, errors [{id, turn, error}]
     primary:  name of the run whose keys are repeated at the top level: the first draft run,
@@ -63,6 +64,14 @@ def _decode_tps(run: "RunResult", s: dict[str, Any]) -> float | None:
     return (s["generated_tokens"] - s["prefill_steps"]) / (run.wall_s - pre)
 
 
+def _lookup_share(run: RunResult, s: dict[str, Any]) -> float | None:
+    """Lookup drafting: the share of the requests' decode rounds whose drafts lookup found."""
+    rounds = s["target_steps"] - s["prefill_steps"]
+    if "lookup_rounds" not in run.counters or rounds <= 0:
+        return None
+    return run.counters["lookup_rounds"] / rounds
+
+
 def run_summary(run: RunResult, baseline: RunResult, greedy: bool) -> dict[str, Any]:
     """The report entry of one run; speed and losslessness are measured against `baseline`."""
     s = summarize(run.outputs)
@@ -88,6 +97,7 @@ def run_summary(run: RunResult, baseline: RunResult, greedy: bool) -> dict[str, 
         "decode_tokens_per_s": dec, "decode_speedup": dec / ar_dec if dec and ar_dec else None,
         "host_syncs_per_round": (run.counters["host_syncs"] / run.counters["rounds"]
                                  if run.counters.get("rounds") else None),
+        "lookup_share": _lookup_share(run, s),
         "lossless_check": lossless,
         "by_category": by_category(run.outputs, k),
         "errors": [{"id": o.prompt_id, "turn": o.turn, "error": o.error}

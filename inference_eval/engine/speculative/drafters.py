@@ -5,6 +5,7 @@ The chain engine (`SpecEngine`) and the tree engine (`TreeSpecEngine`) call only
 index n (the target cache holds 0..n-1), runs
 
     prefill(reqs, layout, plan, pending, sampled, out)  once per (re)computed prompt
+    ks = draft_lengths(reqs, n, ks)                     each request's drafts this round
     state, logits = begin_round(reqs, n)                logits [L, V]: the law of d_1
     state, logits = step(reqs, n, s, d_s, state)        s = 1..K-1: the law of d_{s+1}
     accept(reqs, n, accepted, emitted, out, rows)       after verification
@@ -66,12 +67,14 @@ class Drafter:
     backend = None  # set by bind()
 
     def bind(self, backend, cpu_blas: bool, weight_codes: bool = True,
-             head_code: str = "none") -> None:
+             head_code: str = "none", counters: dict[str, int] | None = None) -> None:
         """The engine's attention backend (a drafter plans its own layouts with it) and its
         CPU BLAS setting (the draft's GEMMs take the target's path; `weight_codes` and
-        `head_code`, engine.weight_codes / engine.head_code, say how on that path)."""
+        `head_code`, engine.weight_codes / engine.head_code, say how on that path);
+        `counters`: the engine's per-run counts, where a drafter adds its own."""
         self.backend = backend
         self.weight_codes, self.head_code = weight_codes, head_code
+        self.counters = {} if counters is None else counters
         self.use_cpu_blas(cpu_blas)
 
     weight_codes = True  # set by bind()
@@ -82,6 +85,12 @@ class Drafter:
 
     def warm(self, rows: Sequence[int]) -> None:
         """engine.compile: compile the draft's steps of these row counts (no-op by default)."""
+
+    def draft_lengths(self, reqs: list[Request], n: list[int], ks: list[int]) -> list[int]:
+        """Before a round: ks[i] is the most drafts request i may have (the engine's K, cut
+        near max_new_tokens and the context end) -> how many it will have (each <= ks[i]; 0:
+        a plain decode step). By default all of them."""
+        return list(ks)
 
     def prefill(self, reqs: list[Request], layout: BatchLayout, plan, pending: list[list[int]],
                 sampled: list[int], out: ModelOutput) -> None:

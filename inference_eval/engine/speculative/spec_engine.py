@@ -52,9 +52,10 @@ class SpecEngine(LLMEngine):
             raise ValueError(f"draft.num_draft={max_accepted} is more than the {self.drafter.max_steps} "
                              "draft steps this drafter has (a Medusa checkpoint has one head per "
                              f"step): set draft.num_draft <= {self.drafter.max_steps}")
-        self.drafter.bind(self.backend, self.cpu_blas, self.cfg.weight_codes, self.cfg.head_code)
         self.timing = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "catch_up": 0.0}
         self.counters = {"rounds": 0, "host_syncs": 0}  # device-to-host reads per round
+        self.drafter.bind(self.backend, self.cpu_blas, self.cfg.weight_codes, self.cfg.head_code,
+                          self.counters)
 
     def warm_rows(self, rows) -> None:
         """Verification passes return the drafter's aux layers; the drafter compiles too."""
@@ -164,8 +165,8 @@ class SpecEngine(LLMEngine):
         t0 = time.perf_counter()
         st = SamplingTensors.from_params([r.params for r in reqs], self.device)
         greedy = st.all_greedy
-        ks = [self._draft_len(r) for r in reqs]
         n = [r.num_cached for r in reqs]
+        ks = self.drafter.draft_lengths(reqs, n, [self._draft_len(r) for r in reqs])
         b, kmax = len(reqs), max(max(ks), 1)
         dtok, qs = self._propose(reqs, ks, n, st, greedy, kmax)
         t0 = self._tick("draft", t0)
