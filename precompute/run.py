@@ -94,7 +94,7 @@ def _run(cfg: PrecomputeConfig, rank: int, world: int) -> Manifest | None:
     # Tokens/s and ETA from a bar over tokens; the postfix says which shard is in flight.
     bar = tqdm(total=sum(lengths[i] for k in todo for i in shards[k]), unit="tok",
                unit_scale=True, desc=f"precompute[{rank}]", disable=not cfg.progress)
-    backend = make_backend(cfg.engine.attention, device)
+    backend = make_backend(cfg.engine.attention, device, model.lm_head_weight.dtype)
     # Batches of thousands of rows: no product is small enough for the weights' block code.
     set_cpu_blas(model, device.type == "cpu" and model.lm_head_weight.dtype == torch.float32
                  and cfg.engine.cpu_blas != "torch", codes=False)

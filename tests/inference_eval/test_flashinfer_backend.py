@@ -206,3 +206,24 @@ def test_flashinfer_interleaved_plans_replan():
         got = plan.attend(0, q, k, v, cache)
         want = TorchAttentionBackend(dev).plan(layout).attend(0, q, k, v, ref_cache)
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_auto_takes_flashinfer_only_for_half_precision(monkeypatch):
+    """attention=auto on CUDA: FlashInfer for a bf16/fp16 cache, the torch backend for fp32
+    (FlashInfer refuses fp32, so picking it would fail every request of an fp32 target)."""
+    from inference_eval.engine.attention import flashinfer_backend as fib
+    from inference_eval.engine.attention.plan import make_backend
+    from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
+
+    class Stub:
+        def __init__(self, dev):
+            self.dev = dev
+
+    monkeypatch.setattr(fib, "available", lambda: True)
+    monkeypatch.setattr(fib, "FlashInferBackend", Stub)
+    assert isinstance(make_backend("auto", "cuda", torch.float32), TorchAttentionBackend)
+    assert isinstance(make_backend("auto", "cuda", torch.bfloat16), Stub)
+    assert isinstance(make_backend("auto", "cuda", torch.float16), Stub)
+    assert isinstance(make_backend("auto", "cuda"), Stub)
+    assert isinstance(make_backend("flashinfer", "cuda", torch.float32), Stub)  # asked by name
+    assert isinstance(make_backend("auto", "cpu", torch.bfloat16), TorchAttentionBackend)

@@ -4,6 +4,7 @@ plain fp32, and the bf16 loss and gradients equal those of the former `head.floa
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -99,3 +100,24 @@ def test_trainer_holds_bf16_target_tied_tables_once(tmp_path, common, make_shard
     assert head.embed.data_ptr() == head.frozen.weight.data_ptr()
     assert all(p.dtype == torch.float32 for p in head.parameters())
     assert last["step"] == 2 and last["loss"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA bf16 training run needs a GPU")
+def test_cuda_bf16_training_follows_the_cpu_fp32_run(tmp_path, common, shards, run_train):
+    """`python -m train` on CUDA with bf16 autocast: the same steps as the fp32 CPU run,
+    losses within bf16 rounding of them at every step, and the loss goes down on both."""
+    base = [o for o in common if not o.startswith("trainer.device=")]
+    losses = {}
+    for device, precision in (("cpu", "no"), ("cuda", "bf16")):
+        out = tmp_path / device
+        res = run_train(*base, f"data.shards={shards}", "trainer.max_steps=8",
+                        f"trainer.device={device}", f"trainer.mixed_precision={precision}",
+                        f"output_dir={out}")
+        assert res.returncode == 0, res.stderr[-3000:]
+        losses[device] = [h["loss"] for h in json.loads((out / "train_metrics.json").read_text())]
+    cpu, cuda = losses["cpu"], losses["cuda"]
+    assert len(cpu) == len(cuda) == 8
+    assert cuda[-1] < cuda[0] - 0.1 and cpu[-1] < cpu[0] - 0.1, (cpu, cuda)
+    for a, b in zip(cpu, cuda):
+        assert abs(a - b) <= 0.02 * abs(a), (cpu, cuda)

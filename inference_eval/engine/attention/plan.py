@@ -31,8 +31,11 @@ class AttentionBackend(Protocol):
     def plan(self, layout: BatchLayout) -> AttentionPlan: ...
 
 
-def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
-    """`auto` picks FlashInfer on CUDA when it is installed, else the torch backend."""
+def make_backend(name: str, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None) -> AttentionBackend:
+    """`auto` picks FlashInfer on CUDA when it is installed and the cache's `dtype` is one its
+    kernels take (float16/bfloat16; None: not known yet), else the torch backend: an fp32
+    target on a GPU (the default SmolLM2 dtype) runs rather than being refused."""
     from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
 
     dev = torch.device(device)
@@ -41,7 +44,8 @@ def make_backend(name: str, device: torch.device | str = "cpu") -> AttentionBack
     if name in ("flashinfer", "auto"):
         from inference_eval.engine.attention import flashinfer_backend as fib
 
-        if dev.type == "cuda" and fib.available():
+        half = dtype is None or dtype in (torch.float16, torch.bfloat16)
+        if dev.type == "cuda" and fib.available() and (half or name == "flashinfer"):
             return fib.FlashInferBackend(dev)
         if name == "flashinfer":
             raise ValueError(
