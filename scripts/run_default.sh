@@ -9,11 +9,13 @@
 #      measures real τ in the engine on held-out prompts of many categories (a chain of K) and
 #      keeps the best head (checkpoints/best) with the acceptance curve beside it,
 #   4. evaluate that head in the engine on held-out prompts of many categories against
-#      draft=none (autoregressive): τ, α_k, speedup, lossless check -> $OUT/eval/report.md
+#      draft=none (autoregressive), as chains (and a tree for long), behind n-gram lookup
+#      (run `head_lookup`) and n-gram lookup alone (run `lookup`, no model): τ, α_k, speedup,
+#      lossless check -> $OUT/eval/report.md
 # Rerunning resumes/reuses what is already there (every stage is resumable and cached).
 #
 # PRESET picks the sizes and the data (env vars DATA, PROMPTS_N, ORIG_N, ANSWER, STEPS,
-# BATCH, K, EVAL_PER_CAT, NEW, OUT, COMPILE override them; COMPILE=true runs the final
+# BATCH, K, EVAL_PER_CAT, NEW, OUT, COMPILE, REPEATS (eval passes, default 3) override them; COMPILE=true runs the final
 # evaluation on the compiled CPU engine, engine.compile: ~65 s of compile per step size, 1.5x
 # faster decoding; on for long, off for quick, where the compile would not pay back):
 #   DATA=sharegpt   ShareGPT conversations as they are (precompute only: ~6x cheaper per
@@ -22,13 +24,18 @@
 #   DATA=distill    the target answers the default prompt mix itself first (on-policy text)
 #   DATA=both       both, trained together (data.shards='a,b')
 #   quick (default) DATA=sharegpt, 80 conversations (65 kept, 42k tokens), 150 steps, K=2,
-#                   1 prompt per category (12); 3-5 min on 2 CPU cores (EPYC, Xeon:
+#                   1 prompt per category (12); 3-5 min on 2 CPU cores (4m43s with 3 eval
+#                   passes on the EPYC of 2026-12-04: lookup 1.17x, head behind lookup 1.14x;
+#                   EPYC, Xeon:
 #                   2m57s there with the block-coded products; 8m50s on an AVX2-only
 #                   EPYC before setup built the kernels), measured.
 #   long            DATA=distill: 3000 prompts answered (160 tokens, batches of 64),
-#                   1500 steps, chains of K=1, 2, 4 and an EAGLE-2 tree on 2 prompts per
-#                   category (the target's own greedy text is what greedy evaluation
-#                   scores: ShareGPT's text raised held-out ShareGPT top-1, not real τ);
+#                   1500 steps, chains of K=1, 2, 4, an EAGLE-2 tree and lookup (the
+#                   distilled answers as its corpus) on 2 prompts per category (the
+#                   target's own greedy text is what greedy evaluation scores: ShareGPT's
+#                   text raised held-out ShareGPT top-1, not real τ); 53m on the EPYC of
+#                   2026-12-04 (one eval pass; lookup 1.15x, head behind lookup 1.06x
+#                   over 3 passes: README "Lookup drafting");
 #                   1h15m on a 2-core EPYC (Zen 4) on 2026-12-04 with the Q8_0 head
 #                   (K=1 τ 1.379 0.98x, K=2 τ 1.476 0.96x; distillation there 216 tok/s);
 #                   59m on a 2-core Xeon with the block-coded products (the same τ, every
@@ -91,16 +98,25 @@ $PY -m train target=smollm2 head=mtp "data.shards='$(IFS=,; echo "${shards[*]}")
     validation.tau_num_draft="$K" validation.tau_max_new_tokens=32 \
     "${recipe[@]}" "${extra[@]}"
 ck="$H/checkpoints/best"
-drafts="[{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K}]"
+# The head behind n-gram lookup (README "Lookup drafting"): lookup drafts up to 4 tokens where
+# the request's own context or the corpus knows a continuation, the head 1 token elsewhere.
+# The corpus is the target's own answers (the distilled shards); ShareGPT's text is not the
+# target's and did not pay as a corpus, so without distillation lookup reads the context only.
+corpus=""; [ "$DATA" != sharegpt ] && corpus=",lookup_corpus:$OUT/shards"
+# `lookup` alone (no model) beside it says how much of the hybrid's gain is the head's.
+hybrid="{kind:head,checkpoint:$ck,name:head_lookup,num_draft:4,lookup:true,model_draft:1$corpus},{kind:lookup,name:lookup,num_draft:4$corpus}"
+drafts="[{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K},$hybrid]"
 if [ "$PRESET" = quick ] && [ "$K" != 1 ]; then  # K=1: the draft length a weak head can afford
-  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K}]"
+  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K},$hybrid]"
 elif [ "$PRESET" = long ]; then
-  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain2,num_draft:2},{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree,depth:4,topk:4,total_tokens:12}]"
+  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain2,num_draft:2},{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree,depth:4,topk:4,total_tokens:12},$hybrid]"
 elif [ "$PRESET" = gpu ]; then
-  drafts="[{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree}]"
+  drafts="[{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree},$hybrid]"
 fi
+# Three interleaved passes (ar, d1, d2, ..., ar, ...), medians reported: one pass of a
+# 15-second run moved by +-7% between two runs of the same drafts on a 2-core VM.
 $PY -m inference_eval target=smollm2 "drafts=$drafts" prompts=heldout_mix \
-    prompts.per_category="$EVAL_PER_CAT" sampling.max_new_tokens="$NEW" \
+    prompts.per_category="$EVAL_PER_CAT" sampling.max_new_tokens="$NEW" eval.repeats="${REPEATS:-3}" \
     eval.batch_size="$eval_bs" engine.compile="$COMPILE" output_dir="$OUT/eval" "${extra[@]}"
 echo "done ($PRESET, DATA=$DATA): shards in ${shards[*]}, head in $H" \
      "(best by real τ: $ck, curve: $H/acceptance_curve.png)," \
