@@ -80,6 +80,9 @@ class DraftConfig:
         if self.sync_free and (self.kind != "head" or self.scheme != "chain"):
             raise ValueError("draft.sync_free applies to head chains (draft=head, "
                              f"scheme=chain), not kind={self.kind} scheme={self.scheme}")
+        if self.lookup and self.kind == "none":
+            raise ValueError("draft.lookup=true needs a drafter behind it: kind=head or llm, or "
+                             "kind=lookup for lookup alone (kind=none is the baseline)")
         if self.lookup and self.scheme != "chain":
             raise ValueError("draft.lookup drafts chains: use scheme=chain (an EAGLE-2 tree "
                              "grows from one model's top-k, which lookup does not have)")

@@ -81,10 +81,20 @@ def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg)
     return SpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.num_draft)
 
 
+# (corpus, id(tokenizer)) -> (tokenizer, NgramTable): holding the tokenizer keeps its id unique
+_TABLES: dict[tuple[str, int], tuple] = {}
+
+
 def _with_lookup(make, loaded: LoadedTarget, draft_cfg):
-    """A drafter factory whose drafter sits behind n-gram lookup (its corpus table built once)."""
+    """A drafter factory whose drafter sits behind n-gram lookup. The corpus table is built
+    once per corpus and tokenizer: an eval rebuilds its engines for every pass and run."""
     corpus = getattr(draft_cfg, "lookup_corpus", None)
-    table = None if corpus is None else load_lookup_table(corpus, loaded.tokenizer)
+    table = None
+    if corpus is not None:
+        key = (str(corpus), id(loaded.tokenizer))
+        if key not in _TABLES:
+            _TABLES[key] = (loaded.tokenizer, load_lookup_table(corpus, loaded.tokenizer))
+        table = _TABLES[key][1]
     vocab = loaded.model.arch.vocab_size
 
     def make_lookup(pages, ps, dev, dt):

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from heads.checkpoint import read_head_config
+from inference_eval.evaluation.lookup_corpus import corpus_manifests
 from inference_eval.engine.config import EngineConfig
 from inference_eval.engine.llm_engine import GenerationResult
 from inference_eval.evaluation.engines import build_engine
@@ -170,6 +171,8 @@ def main(cfg: EvalConfig) -> dict[str, Any]:
     for d in drafts:  # fail now, not after the baseline has run for an hour
         if d.kind == "head":
             read_head_config(d.checkpoint)
+        if d.lookup_corpus is not None:
+            corpus_manifests(d.lookup_corpus)
     device = cfg.engine.resolve_device()
     loaded = load_target(cfg.target, device=device)
     # The engine's max batch IS the benchmark's concurrency, identical for every run.

@@ -12,19 +12,31 @@ from precompute.identity import tokenizer_identity
 from precompute.manifest import Manifest
 
 
+def corpus_manifests(shard_dirs: str) -> list[tuple[Path, Manifest]]:
+    """shard_dirs ('a' or 'a,b') -> each dir with its manifest; an error names the key, the
+    directory and the fix (the eval calls this before any run starts)."""
+    dirs = [Path(d.strip()) for d in str(shard_dirs).split(",") if d.strip()]
+    if not dirs:
+        raise ValueError(f"draft.lookup_corpus={shard_dirs!r} names no shard directory")
+    out = []
+    for d in dirs:
+        try:
+            out.append((d, Manifest.load(d / "manifest.json")))
+        except (FileNotFoundError, ValueError) as exc:
+            raise ValueError(f"draft.lookup_corpus: {exc}; point it at precompute output_dirs "
+                             "(their shards' answer tokens are the corpus)") from None
+    return out
+
+
 def load_lookup_table(shard_dirs: str, tokenizer=None) -> NgramTable:
     """shard_dirs: one precompute output_dir or several ('a,b'). Each sequence counts its
     n-grams followed by an answer token (loss mask 1). With `tokenizer`, refuse shards
     tokenized by another vocabulary (their ids would draft garbage)."""
     from safetensors import safe_open
 
-    dirs = [Path(d.strip()) for d in str(shard_dirs).split(",") if d.strip()]
-    if not dirs:
-        raise ValueError(f"draft.lookup_corpus={shard_dirs!r} names no shard directory")
     want = None if tokenizer is None else tokenizer_identity(tokenizer).get("vocab_sha256")
     seqs, masks = [], []
-    for d in dirs:
-        man = Manifest.load(d / "manifest.json")
+    for d, man in corpus_manifests(shard_dirs):
         have = man.tokenizer.get("vocab_sha256")
         if want and have and want != have:
             raise ValueError(f"draft.lookup_corpus: {d} was tokenized with another vocabulary "

@@ -210,7 +210,8 @@ def test_flashinfer_interleaved_plans_replan():
 
 def test_auto_takes_flashinfer_only_for_half_precision(monkeypatch):
     """attention=auto on CUDA: FlashInfer for a bf16/fp16 cache, the torch backend for fp32
-    (FlashInfer refuses fp32, so picking it would fail every request of an fp32 target)."""
+    (FlashInfer refuses fp32, so picking it would fail every request of an fp32 target);
+    attention=flashinfer with fp32 is refused when the engine is built."""
     from inference_eval.engine.attention import flashinfer_backend as fib
     from inference_eval.engine.attention.plan import make_backend
     from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
@@ -225,5 +226,6 @@ def test_auto_takes_flashinfer_only_for_half_precision(monkeypatch):
     assert isinstance(make_backend("auto", "cuda", torch.bfloat16), Stub)
     assert isinstance(make_backend("auto", "cuda", torch.float16), Stub)
     assert isinstance(make_backend("auto", "cuda"), Stub)
-    assert isinstance(make_backend("flashinfer", "cuda", torch.float32), Stub)  # asked by name
+    with pytest.raises(ValueError, match="target.dtype=bfloat16 or use attention=torch"):
+        make_backend("flashinfer", "cuda", torch.float32)  # asked by name: a clear refusal
     assert isinstance(make_backend("auto", "cpu", torch.bfloat16), TorchAttentionBackend)

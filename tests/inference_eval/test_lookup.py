@@ -17,7 +17,7 @@ from inference_eval.engine.speculative.lookup import ContextIndex, NgramTable, l
 from inference_eval.engine.speculative.lookup_drafter import LookupDrafter
 from inference_eval.evaluation.config import DraftConfig
 from inference_eval.evaluation.engines import build_engine
-from inference_eval.evaluation.lookup_corpus import load_lookup_table
+from inference_eval.evaluation.lookup_corpus import corpus_manifests, load_lookup_table
 from tests.inference_eval.test_drafters import CFG, _ar, _drafter_cfg, _loaded, _prompts
 from tests.spec_stats import chi2_pvalue, first_two_counts, joint_first_two
 
@@ -155,18 +155,24 @@ def test_lookup_in_front_of_a_model_drafter_is_lossless(tiny_hf, tmp_path, kind)
     assert isinstance(eng.drafter, LookupDrafter) and eng.drafter.inner is not None
     assert eng.drafter.sync_free == kind.endswith("_sync_free")
     eng.drafter.table = _oracle_table(loaded, prompts[:3], params[:3])
-    seen = {"look": 0, "model": 0}
-    inner_step = eng.drafter.inner.step
+    seen = {"rows": 0, "steps": set()}
+    inner_begin, inner_step = eng.drafter.inner.begin_round, eng.drafter.inner.step
+
+    def counting_begin(reqs, n):
+        seen["rows"] += len(reqs)
+        return inner_begin(reqs, n)
 
     def counting_step(reqs, n, s, tokens, state):
-        seen["model"] += len(reqs)
+        seen["steps"].add(s)
         return inner_step(reqs, n, s, tokens, state)
-    eng.drafter.inner.step = counting_step
+    eng.drafter.inner.begin_round, eng.drafter.inner.step = counting_begin, counting_step
     out = eng.generate(prompts, params, progress=False)
     assert [r.token_ids for r in out] == _ar(loaded, prompts, params)
-    assert eng.counters["lookup_rounds"] > 0 and seen["model"] > 0
-    for r in out[3:]:  # no corpus: the model's rounds propose at most model_draft
-        assert sum(r.meta["accepted"]) <= sum(r.meta["proposed"])
+    assert eng.counters["lookup_rounds"] > 0 and seen["rows"] > 0
+    # The model drafts model_draft = 2 tokens (its begin_round and step s=1), never the
+    # round's K = 3, which lookup rounds may use.
+    assert seen["steps"] == {1}
+    assert max(max(r.meta["proposed"]) for r in out[:3]) == 3
     assert sum(sum(r.meta["accepted"]) for r in out[:3]) > 0
 
 
@@ -202,6 +208,8 @@ def test_draft_config_lookup_keys():
         DraftConfig(kind="head", checkpoint="x", lookup_corpus="runs/s")
     with pytest.raises(ValueError, match="lookup_min_match"):
         DraftConfig(kind="lookup", lookup_min_match=3, lookup_max_match=2)
+    with pytest.raises(ValueError, match="needs a drafter behind it"):
+        DraftConfig(kind="none", lookup=True)
 
 
 def _write_shards(d, seqs, masks, vocab_sha="v1"):
@@ -237,4 +245,34 @@ def test_corpus_from_shards_counts_answer_tokens_only(tmp_path, monkeypatch):
     (tmp_path / "s" / "shard_00000.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="shard_00000.safetensors is missing"):
         load_lookup_table(str(tmp_path / "s"))
-    json.loads((tmp_path / "s" / "manifest.json").read_text())
+    # A dir that is no precompute output names the key and the fix, before any run starts.
+    with pytest.raises(ValueError, match=r"draft.lookup_corpus: no manifest at .*nowhere.*"
+                                         r"point it at precompute output_dirs"):
+        corpus_manifests(f"{tmp_path / 's'},{tmp_path / 'nowhere'}")
+
+
+def test_eval_checks_the_corpus_before_the_baseline_runs(tmp_path, monkeypatch):
+    """python -m inference_eval with a bad draft.lookup_corpus stops before loading the target."""
+    import inference_eval.evaluation.evaluate as ev
+    from inference_eval.evaluation.config import EvalConfig
+    from inference_eval.evaluation.prompts import PromptsConfig
+
+    def no_target(*a, **k):
+        raise AssertionError("the target was loaded before the corpus was checked")
+    monkeypatch.setattr(ev, "load_target", no_target)
+    jl = tmp_path / "p.jsonl"
+    jl.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    cfg = EvalConfig(prompts=PromptsConfig(name="jsonl", path=str(jl)),
+                     drafts=[DraftConfig(kind="lookup", lookup_corpus=str(tmp_path / "none"))])
+    with pytest.raises(ValueError, match="draft.lookup_corpus: no manifest"):
+        ev.main(cfg)
+
+
+def test_a_lookup_run_that_never_matches_reports_a_zero_share(tiny_hf):
+    loaded = _loaded(tiny_hf)
+    eng = build_engine(loaded, EngineConfig(**CFG), SimpleNamespace(
+        kind="lookup", num_draft=3, scheme="chain", lookup=True, lookup_corpus=None,
+        model_draft=None, lookup_min_match=8, lookup_max_match=8))
+    out = eng.generate([[5, 6, 7]], [SamplingParams(max_new_tokens=4, ignore_eos=True)],
+                       progress=False)
+    assert len(out[0].token_ids) == 4 and eng.counters["lookup_rounds"] == 0

@@ -45,7 +45,10 @@ def make_backend(name: str, device: torch.device | str = "cpu",
         from inference_eval.engine.attention import flashinfer_backend as fib
 
         half = dtype is None or dtype in (torch.float16, torch.bfloat16)
-        if dev.type == "cuda" and fib.available() and (half or name == "flashinfer"):
+        if name == "flashinfer" and not half:
+            raise ValueError(f"attention backend 'flashinfer' has no {dtype} kernels (float16/"
+                             "bfloat16 only): set target.dtype=bfloat16 or use attention=torch")
+        if dev.type == "cuda" and fib.available() and half:
             return fib.FlashInferBackend(dev)
         if name == "flashinfer":
             raise ValueError(

@@ -48,9 +48,12 @@ class LookupDrafter(Drafter):
 
     # ---- the inner drafter's life cycle ---------------------------------------------------
     def bind(self, backend, cpu_blas, weight_codes=True, head_code="none", counters=None):
-        super().bind(backend, cpu_blas, weight_codes, head_code, counters)
+        # The inner drafter first: our bind forwards use_cpu_blas, which packs its weights
+        # by the codes its own bind records.
         if self.inner is not None:
             self.inner.bind(backend, cpu_blas, weight_codes, head_code, counters)
+        super().bind(backend, cpu_blas, weight_codes, head_code, counters)
+        self.counters.setdefault("lookup_rounds", 0)  # a run that never matched reports 0
 
     def use_cpu_blas(self, enabled):
         if self.inner is not None:
@@ -69,7 +72,8 @@ class LookupDrafter(Drafter):
             self.inner.accept(reqs, n, accepted, emitted, out, rows)
 
     def verified(self, reqs, plan, row_tokens, out, last_rows):
-        self.inner.verified(reqs, plan, row_tokens, out, last_rows)
+        if self.inner is not None:
+            self.inner.verified(reqs, plan, row_tokens, out, last_rows)
 
     def drop(self, rid):
         self.contexts.pop(rid, None)
@@ -107,6 +111,7 @@ class LookupDrafter(Drafter):
         return look, [j for j in range(len(reqs)) if not self.chains.get(reqs[j].id)]
 
     def begin_round(self, reqs, n):
+        """-> (state [L, ...] or None, logits [L, V]); lookup rows are one-hot."""
         look, model = self._split(reqs)
         if not look:
             return self.inner.begin_round(reqs, n)
@@ -117,6 +122,7 @@ class LookupDrafter(Drafter):
         return self._merge(len(reqs), look, drafts, model, state, logits)
 
     def step(self, reqs, n, s, tokens, state):
+        """tokens [L] (d_s), state [L, ...] or None -> (state, logits [L, V])."""
         look, model = self._split(reqs)
         if not look:
             return self.inner.step(reqs, n, s, tokens, state)
@@ -129,7 +135,8 @@ class LookupDrafter(Drafter):
         return self._merge(len(reqs), look, drafts, model, nxt, logits)
 
     def _merge(self, size, look, drafts, model, state, logits):
-        """The rows of lookup and model requests back in the batch's order; a lookup row's
+        """drafts [len(look), V], logits [len(model), V], state [len(model), ...] or None ->
+        (state [size, ...] or None, logits [size, V]) in the batch's order; a lookup row's
         state is zeros (never read: its request takes no model step this round)."""
         out = drafts.new_empty(size, drafts.shape[1])
         out[torch.tensor(look, device=out.device)] = drafts
