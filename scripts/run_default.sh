@@ -15,9 +15,10 @@
 # Rerunning resumes/reuses what is already there (every stage is resumable and cached).
 #
 # PRESET picks the sizes and the data (env vars DATA, PROMPTS_N, ORIG_N, ANSWER, STEPS,
-# BATCH, K, EVAL_PER_CAT, NEW, OUT, COMPILE, REPEATS (eval passes, default 3) override them; COMPILE=true runs the final
-# evaluation on the compiled CPU engine, engine.compile: ~65 s of compile per step size, 1.5x
-# faster decoding; on for long, off for quick, where the compile would not pay back):
+# BATCH, K, EVAL_PER_CAT, NEW, OUT, COMPILE, REPEATS (eval passes, default 3) override them;
+# COMPILE=true runs the final evaluation on the compiled CPU engine, engine.compile: ~65 s of
+# compile per step size, 1.5x faster decoding; on for long, off for quick, where the compile
+# would not pay back):
 #   DATA=sharegpt   ShareGPT conversations as they are (precompute only: ~6x cheaper per
 #                   token than letting the target answer, and the soft labels are the
 #                   target's own distribution either way)
@@ -103,20 +104,21 @@ ck="$H/checkpoints/best"
 # The corpus is the target's own answers (the distilled shards); ShareGPT's text is not the
 # target's and did not pay as a corpus, so without distillation lookup reads the context only.
 corpus=""; [ "$DATA" != sharegpt ] && corpus=",lookup_corpus:$OUT/shards"
-# `lookup` alone (no model) beside it says how much of the hybrid's gain is the head's.
-hybrid="{kind:head,checkpoint:$ck,name:head_lookup,num_draft:4,lookup:true,model_draft:1$corpus},{kind:lookup,name:lookup,num_draft:4$corpus}"
-drafts="[{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K},$hybrid]"
+# `lookup` alone (no model) beside it says how much of head_lookup's gain is the head's.
+lookups="{kind:head,checkpoint:$ck,name:head_lookup,num_draft:4,lookup:true,model_draft:1$corpus},{kind:lookup,name:lookup,num_draft:4$corpus}"
+drafts="[{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K},$lookups]"
 if [ "$PRESET" = quick ] && [ "$K" != 1 ]; then  # K=1: the draft length a weak head can afford
-  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K},$hybrid]"
+  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K},$lookups]"
 elif [ "$PRESET" = long ]; then
-  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain2,num_draft:2},{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree,depth:4,topk:4,total_tokens:12},$hybrid]"
+  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain2,num_draft:2},{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree,depth:4,topk:4,total_tokens:12},$lookups]"
 elif [ "$PRESET" = gpu ]; then
-  drafts="[{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree},$hybrid]"
+  drafts="[{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree},$lookups]"
 fi
 # Three interleaved passes (ar, d1, d2, ..., ar, ...), medians reported: one pass of a
 # 15-second run moved by +-7% between two runs of the same drafts on a 2-core VM.
 $PY -m inference_eval target=smollm2 "drafts=$drafts" prompts=heldout_mix \
-    prompts.per_category="$EVAL_PER_CAT" sampling.max_new_tokens="$NEW" eval.repeats="${REPEATS:-3}" \
+    prompts.per_category="$EVAL_PER_CAT" sampling.max_new_tokens="$NEW" \
+    eval.repeats="${REPEATS:-3}" \
     eval.batch_size="$eval_bs" engine.compile="$COMPILE" output_dir="$OUT/eval" "${extra[@]}"
 echo "done ($PRESET, DATA=$DATA): shards in ${shards[*]}, head in $H" \
      "(best by real τ: $ck, curve: $H/acceptance_curve.png)," \

@@ -4,6 +4,8 @@ heads as `MedusaDrafter`) or a small LLM as its drafter. This is where heads mee
 the engine itself never imports heads."""
 from __future__ import annotations
 
+import functools
+
 from heads.checkpoint import load_head, read_head_config
 from heads.frozen import FrozenParts
 from inference_eval.engine.config import EngineConfig
@@ -81,20 +83,17 @@ def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg)
     return SpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.num_draft)
 
 
-# (corpus, id(tokenizer)) -> (tokenizer, NgramTable): holding the tokenizer keeps its id unique
-_TABLES: dict[tuple[str, int], tuple] = {}
+@functools.lru_cache(maxsize=4)
+def _corpus_table(corpus: str, tokenizer):
+    """The corpus table, built once per corpus and tokenizer: an eval rebuilds its engines for
+    every pass and run."""
+    return load_lookup_table(corpus, tokenizer)
 
 
 def _with_lookup(make, loaded: LoadedTarget, draft_cfg):
-    """A drafter factory whose drafter sits behind n-gram lookup. The corpus table is built
-    once per corpus and tokenizer: an eval rebuilds its engines for every pass and run."""
+    """A drafter factory whose drafter sits behind n-gram lookup."""
     corpus = getattr(draft_cfg, "lookup_corpus", None)
-    table = None
-    if corpus is not None:
-        key = (str(corpus), id(loaded.tokenizer))
-        if key not in _TABLES:
-            _TABLES[key] = (loaded.tokenizer, load_lookup_table(corpus, loaded.tokenizer))
-        table = _TABLES[key][1]
+    table = None if corpus is None else _corpus_table(str(corpus), loaded.tokenizer)
     vocab = loaded.model.arch.vocab_size
 
     def make_lookup(pages, ps, dev, dt):

@@ -138,7 +138,10 @@ class ContextIndex:
 def lookup_chain(context: ContextIndex, table: NgramTable | None, k: int) -> list[int]:
     """Up to k drafts after the context's tokens: at each position the context's own
     continuation first, the corpus table's second; the chain stops where neither knows one."""
-    seq = list(context.tokens)
+    # Only suffixes of at most max_n tokens are ever looked up (the context index also needs
+    # one token before its longest): copying that window, not the whole history, each round.
+    longest = max(context.max_n, table.max_n if table is not None else 0) + 1
+    seq = context.tokens[-longest:]
     drafts: list[int] = []
     for _ in range(k):
         t = context.next_token(seq)

@@ -92,7 +92,7 @@ class LookupDrafter(Drafter):
             chain = lookup_chain(ctx, self.table, k) if k > 0 else []
             self.chains[r.id] = chain
             if chain:
-                self.counters["lookup_rounds"] = self.counters.get("lookup_rounds", 0) + 1
+                self.counters["lookup_rounds"] += 1
                 out.append(len(chain))
             elif self.inner is None:
                 out.append(0)
@@ -107,8 +107,10 @@ class LookupDrafter(Drafter):
         return logits
 
     def _split(self, reqs) -> tuple[list[int], list[int]]:
-        look = [j for j, r in enumerate(reqs) if self.chains.get(r.id)]
-        return look, [j for j in range(len(reqs)) if not self.chains.get(reqs[j].id)]
+        look, model = [], []
+        for j, r in enumerate(reqs):
+            (look if self.chains.get(r.id) else model).append(j)
+        return look, model
 
     def begin_round(self, reqs, n):
         """-> (state [L, ...] or None, logits [L, V]); lookup rows are one-hot."""
