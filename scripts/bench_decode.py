@@ -4,7 +4,9 @@ Same target weights (SmolLM2 by default), dtype, thread count, prompts and token
 greedy with eos ignored so both produce exactly --new-tokens per prompt. Ours reads its
 small-row products from the weights' exact GGUF block code where the target has one
 (engine.weight_codes: the same fp32 weights transformers multiplies, from a shorter stream);
---no-weight-codes reads the fp32 copy instead. Each side runs every
+--no-weight-codes reads the fp32 copy instead. On a GPU with FlashInfer (bf16/fp16) our
+decode steps replay as CUDA graphs, and the same engine without them is timed as well
+(`ours_no_graphs_tok_s_bs*`, `graphs_gain_bs*`). Each side runs every
 batch size --reps times (its own runs back to back, see below); tokens/s is the median over
 them, the best beside it, and the ratio compares medians, so one slow spell of the machine
 does not decide it. Ends with one JSON line: {"bench": "decode", "ours_tok_s_bs1": ...,
@@ -74,11 +76,17 @@ def main() -> None:
                                    tokenize=True, return_dict=True)["input_ids"] for p in PROMPTS]
     n = args.new_tokens
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
-    eng = LLMEngine(loaded.model, tok, EngineConfig(attention=args.attention, device=args.device,
-                                                    compile=args.compile,
-                                                    weight_codes=not args.no_weight_codes))
+    def engine(graphs: bool) -> LLMEngine:
+        return LLMEngine(loaded.model, tok, EngineConfig(
+            attention=args.attention, device=args.device, compile=args.compile,
+            weight_codes=not args.no_weight_codes, cuda_graphs=graphs))
+
+    eng = engine(True)
     for bs in (1, 8):
         eng.warm(bs)  # engine.compile: rows 1 and 8, outside the timing
+    # With CUDA graphs (FlashInfer on a GPU) the same engine without them runs too, so the
+    # graphs' share of the speed is a same-run ratio.
+    eager = engine(False) if eng.backend.graphs is not None else None
 
     def sync():
         if args.device.startswith("cuda"):
@@ -103,10 +111,17 @@ def main() -> None:
         return out
 
     with torch.inference_mode():
-        eng.generate(ids[:2], SamplingParams(max_new_tokens=4), progress=False)  # warm-up
+        for e in (eng, eager):  # warm-up; captures the batch-1 and batch-8 decode graphs
+            for g in (ids[:1], ids):
+                if e is not None:
+                    e.generate(g, SamplingParams(max_new_tokens=4), progress=False)
         hf_generate(hf, tok, ids[:2], 4)
         res = {}
         for bs, groups in ((1, [[x] for x in ids[:4]]), (8, [ids])):
+            if eager is not None:
+                slow = rates(lambda g: sum(len(r.token_ids) for r in eager.generate(
+                    g, params, progress=False)), groups)
+                res[f"ours_no_graphs_tok_s_bs{bs}"] = round(statistics.median(slow), 2)
             # Each side runs all its groups back to back: interleaving the two thread pools
             # (ours: OpenBLAS, transformers: OpenMP) makes whichever runs second pay for the
             # other's spinning workers.
@@ -118,6 +133,8 @@ def main() -> None:
             res[f"ratio_bs{bs}"] = round(statistics.median(ours) / statistics.median(base), 3)
             res[f"ours_best_tok_s_bs{bs}"] = round(max(ours), 2)
             res[f"base_best_tok_s_bs{bs}"] = round(max(base), 2)
+            if eager is not None:
+                res[f"graphs_gain_bs{bs}"] = round(statistics.median(ours) / statistics.median(slow), 3)
     print(json.dumps({"bench": "decode", "target": loaded.identity["name"], "device": args.device,
                       "dtype": args.dtype, "threads": args.threads, "new_tokens": n,
                       "compile": args.compile, "weight_codes": not args.no_weight_codes,

@@ -92,7 +92,8 @@ def step_costs(args: argparse.Namespace) -> dict:
     from types import SimpleNamespace
 
     cfg = compose("eval", EvalConfig, [f"target={args.target}", *args.engine])
-    loaded = load_target(cfg.target)
+    device = cfg.engine.resolve_device()
+    loaded = load_target(cfg.target, device=device)
     draft = SimpleNamespace(kind="head", checkpoint=args.head, scheme="chain", num_draft=4)
     eng = build_engine(loaded, cfg.engine, draft)
     eng.warm(1)  # engine.compile: rows 1..5 compiled before anything is timed
@@ -100,7 +101,7 @@ def step_costs(args: argparse.Namespace) -> dict:
     span = ctx + max(8, args.tree[2] + 2)  # the context plus the most rows one step adds
     pages = list(range(span // ps + 1))
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.arch.vocab_size, (span,), generator=gen)
+    ids = torch.randint(0, model.arch.vocab_size, (span,), generator=gen).to(device)
 
     def layout(q: int, kv: int) -> BatchLayout:
         return BatchLayout([q], [kv], [pages], ps)
@@ -108,7 +109,8 @@ def step_costs(args: argparse.Namespace) -> dict:
     # Fill both caches once so every timed step attends over `ctx` real entries.
     out = model(ids[:ctx], eng.backend.plan(layout(ctx, ctx)), eng.cache, compute_logits=False)
     hidden = drafter.head.first_hidden(out.hidden, None)
-    drafter.run(ids[1:ctx + 1], hidden, eng.backend.plan(layout(ctx, ctx)), rows=torch.tensor([ctx - 1]))
+    drafter.run(ids[1:ctx + 1], hidden, eng.backend.plan(layout(ctx, ctx)),
+                rows=torch.tensor([ctx - 1], device=device))
     state = hidden[-1:]
 
     def target(q: int):
@@ -138,11 +140,14 @@ def step_costs(args: argparse.Namespace) -> dict:
                                              eng.backend.plan(layout(1, ctx + 1)), k=2),
            f"draft_{topk}_rows": draft_frontier}
     times: dict[str, list[float]] = {name: [] for name in ops}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with eng.step_threads():  # the engine's own thread setting inside a step
         for rep in range(args.step_reps + 2):
             for name, fn in ops.items():
+                sync()
                 t = time.perf_counter()
                 fn()
+                sync()  # on a GPU: the step's kernels, not only their launches
                 if rep >= 2:  # two warm-up rounds
                     times[name].append(time.perf_counter() - t)
     med = {n: statistics.median(v) * 1e3 for n, v in times.items()}

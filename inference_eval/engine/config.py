@@ -38,6 +38,9 @@ class EngineConfig:
     # targets; model/compiled.py): ~1.5x faster steps, ~75 s of compile per row count on 2
     # cores, paid on first use (engines `warm` the counts a run uses before timing it).
     compile: bool = False
+    # On CUDA with FlashInfer attention: replay decode, chain-verification and draft steps as
+    # CUDA graphs (model/cuda_graphs.py), each captured on first use; false runs them eagerly.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:

@@ -18,6 +18,7 @@ from inference_eval.engine.attention import BatchLayout, make_backend
 from inference_eval.engine.config import EngineConfig
 from inference_eval.engine.kv_cache import KVCache
 from inference_eval.engine.model.compiled import CompiledSteps
+from inference_eval.engine.model.cuda_graphs import CudaGraphs
 from inference_eval.engine.model.linear import openblas_threads, set_cpu_blas
 from inference_eval.engine.model.transformer import TransformerLM
 from inference_eval.engine.page_allocator import PageAllocator
@@ -61,6 +62,8 @@ class LLMEngine:
         self.allocator = PageAllocator(num_pages, self.cfg.page_size)
         self.cache = KVCache.for_arch(arch, num_pages, self.cfg.page_size, self.dtype, self.device)
         self.backend = make_backend(self.cfg.attention, self.device, self.dtype)
+        if self.cfg.cuda_graphs and self.backend.name == "flashinfer":
+            self.backend.graphs = CudaGraphs(self.backend)
         self.scheduler = Scheduler(self.allocator, self.cfg.max_batch_size,
                                    self.cfg.max_batched_tokens, lookahead)
         self.eos_ids = set(arch.eos_token_ids)

@@ -170,14 +170,17 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu",
         load_hf_tensors(model, arch, iter_safetensors(hf_dir), source=str(hf_dir))
     if cfg.max_context:
         arch.max_position_embeddings = min(arch.max_position_embeddings, cfg.max_context)
+    # Fingerprints of the weights as loaded, before the serving dtype: a head trained on the
+    # fp32 target is the same target's head when the engine serves it in bf16.
+    hashes = {"weights_sha256": weights_hash(model),
+              "frozen_sha256": frozen_hash(model.embed_tokens.weight, model.norm.weight,
+                                           model.lm_head_weight)}
     model = model.to(cfg.torch_dtype).eval().requires_grad_(False)
     tok = load_tokenizer(cfg) if with_tokenizer else None
     if tok is not None and not arch.eos_token_ids and tok.eos_token_id is not None:
         arch.eos_token_ids = [tok.eos_token_id]
     identity = {"name": cfg.name, "source": cfg.source, "path": cfg.path,
-                "arch": arch.to_dict(), "weights_sha256": weights_hash(model),
-                "frozen_sha256": frozen_hash(model.embed_tokens.weight, model.norm.weight,
-                                             model.lm_head_weight)}
+                "arch": arch.to_dict(), **hashes}
     return LoadedTarget(model=model, tokenizer=tok, identity=identity, hf_dir=hf_dir)
 
 

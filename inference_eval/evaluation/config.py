@@ -60,6 +60,9 @@ class DraftConfig:
     lookup_min_match: int = 2
     lookup_max_match: int = 8
     model_draft: int | None = None
+    # Chains: a request stops drafting at the first draft whose law puts less than this on its
+    # most likely token (0: always num_draft); EAGLE-2's confidence cut, for a line.
+    min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind == "lookup":
@@ -95,6 +98,12 @@ class DraftConfig:
                              "llm chains with lookup=true (the model's drafts where lookup has none)")
         if self.lookup_corpus is not None and not self.lookup:
             raise ValueError("draft.lookup_corpus needs lookup=true (or kind=lookup)")
+        if not 0.0 <= self.min_confidence < 1.0:
+            raise ValueError(f"draft.min_confidence={self.min_confidence!r}: a probability in "
+                             "[0, 1) (0 drafts num_draft tokens every round)")
+        if self.min_confidence > 0 and (self.scheme != "chain" or self.kind in ("none", "lookup")):
+            raise ValueError("draft.min_confidence cuts model-drafted chains: use it with "
+                             "draft=head or llm and scheme=chain (a tree prunes by its own scores)")
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
             raise ValueError(f"draft.name must be a non-empty string or null, got {self.name!r}")
 

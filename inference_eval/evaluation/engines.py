@@ -80,7 +80,8 @@ def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg)
     if scheme == "tree":
         return TreeSpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.depth,
                               draft_cfg.topk, draft_cfg.total_tokens)
-    return SpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.num_draft)
+    return SpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.num_draft,
+                      min_confidence=getattr(draft_cfg, "min_confidence", 0.0))
 
 
 @functools.lru_cache(maxsize=4)

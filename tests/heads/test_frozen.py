@@ -106,3 +106,17 @@ def test_hub_id_of_an_unsharded_checkpoint_downloads_its_one_file(tmp_path, monk
     assert asked == ["config.json", frozen.INDEX, "model.safetensors"]
     torch.testing.assert_close(parts.lm_head, model.state_dict()["model.embed_tokens.weight"])
     assert parts.lm_head.data_ptr() == parts.embed.data_ptr()
+
+
+def test_target_identity_does_not_depend_on_the_serving_dtype(sharded):
+    """A head trained on the fp32 target is that target's head when the engine serves it in
+    bf16: the fingerprints describe the weights as loaded, and differ for other weights."""
+    hf_dir, _, _ = sharded
+    ids = {dt: load_target(TargetConfig(name="t", source="hf", path=str(hf_dir), dtype=dt),
+                           with_tokenizer=False) for dt in ("float32", "bfloat16")}
+    assert ids["bfloat16"].model.lm_head_weight.dtype == torch.bfloat16
+    a, b = ids["float32"].identity, ids["bfloat16"].identity
+    assert a["frozen_sha256"] == b["frozen_sha256"] and a["weights_sha256"] == b["weights_sha256"]
+    other = load_target(TargetConfig(name="t", source="random", arch=a["arch"], seed=1),
+                        with_tokenizer=False).identity
+    assert other["frozen_sha256"] != a["frozen_sha256"]

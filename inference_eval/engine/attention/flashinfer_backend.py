@@ -24,6 +24,7 @@ later layer of the step reuses that planning. Metadata and masks are built here,
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import math
@@ -34,6 +35,9 @@ from inference_eval.engine.attention.layout import BatchLayout
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# FlashInfer's "auto" picks its FA3 kernels on Hopper, which failed ("operation not
+# supported", H200) on SmolLM2's 9 query heads over 3 kv heads; FA2 takes every group size.
+PAGED_BACKEND = "fa2"
 
 
 def available() -> bool:
@@ -105,6 +109,40 @@ def check_dtypes(q: torch.Tensor, k: torch.Tensor, cache_dtype: torch.dtype | No
                          "share one dtype")
 
 
+def tensor_core_decode(heads: int, kv_heads: int) -> bool:
+    """Tensor-core decode wins once a kv head serves >= 4 query heads (GQA)."""
+    return heads // kv_heads >= 4
+
+
+def plan_wrapper(wrapper, kind: str, meta: dict[str, torch.Tensor], heads: int, kv_heads: int,
+                 d: int, page_size: int, dtype: torch.dtype,
+                 custom_mask: torch.Tensor | None = None) -> None:
+    """Plan a FlashInfer wrapper of `kind` (decode / paged / ragged) for a step's metadata
+    (paged_kv_metadata, or qo/kv indptr of a ragged step), causal unless custom_mask."""
+    common = dict(sm_scale=1.0 / math.sqrt(d), q_data_type=dtype, kv_data_type=dtype)
+    m = meta
+    if kind == "decode":
+        wrapper.plan(m["paged_kv_indptr"], m["paged_kv_indices"], m["paged_kv_last_page_len"],
+                     heads, kv_heads, d, page_size, **common)
+    elif kind == "paged":
+        wrapper.plan(m["qo_indptr"], m["paged_kv_indptr"], m["paged_kv_indices"],
+                     m["paged_kv_last_page_len"], heads, kv_heads, d, page_size,
+                     custom_mask=custom_mask, causal=True, **common)
+    else:
+        wrapper.plan(m["qo_indptr"], m["kv_indptr"], heads, kv_heads, d,
+                     custom_mask=custom_mask, causal=True, **common)
+
+
+def append_kv(cache, layer: int, slots: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write k/v [T, kv_heads, d] to the flat cache `slots` [T] of `layer`; -> (k, v) pages."""
+    kc, vc = cache.layer(layer)
+    kvh, d = k.shape[1], k.shape[2]
+    kc.view(-1, kvh, d).index_copy_(0, slots, k)
+    vc.view(-1, kvh, d).index_copy_(0, slots, v)
+    return kc, vc
+
+
 class FlashInferPlan:
     """One step's FlashInfer metadata. `attend` per layer: q [T, heads, d], k/v
     [T, kv_heads, d] (fp16/bf16) -> [T, heads, d]; appends k/v to `cache` first when paged."""
@@ -117,38 +155,36 @@ class FlashInferPlan:
         self.positions = layout.position_tensor(dev)
         self.cached = layout.block_tables is not None
         self.kind = ("decode" if layout.is_decode else "paged") if self.cached else "ragged"
-        # On the device because FlashInfer packs custom_mask with a CUDA kernel that, in some
-        # releases, wants mask_indptr (derived from qo_indptr) on the mask's device.
+        self.graphs = backend.graphs  # model/cuda_graphs.CudaGraphs, or None
         if self.cached:
-            self.meta = {k: t.to(dev) for k, t in paged_kv_metadata(layout).items()}
+            self.meta_host = paged_kv_metadata(layout)  # what a CUDA-graph wrapper plans from
             self.slots = layout.slot_mapping(dev)
-        else:
-            cu = torch.tensor(layout.cu_q(), dtype=torch.int32, device=dev)
-            self.meta = {"qo_indptr": cu, "kv_indptr": cu}
         mask = tree_custom_mask(layout)
         self.custom_mask = None if mask is None else mask.to(dev)
         self._mla = None  # flashinfer_mla.FlashInferMLA, made by the first attend_latent
 
+    @functools.cached_property
+    def meta(self) -> dict[str, torch.Tensor]:
+        """The metadata on the device, for the eager wrappers; made on first use (a step that
+        replays as a CUDA graph plans from meta_host). On the device because FlashInfer packs
+        custom_mask with a CUDA kernel that, in some releases, wants mask_indptr (derived
+        from qo_indptr) on the mask's device."""
+        dev = self.backend.device
+        if self.cached:
+            return {k: t.to(dev) for k, t in self.meta_host.items()}
+        cu = torch.tensor(self.layout.cu_q(), dtype=torch.int32, device=dev)
+        return {"qo_indptr": cu, "kv_indptr": cu}
+
     def _ensure_planned(self, q: torch.Tensor, k: torch.Tensor):
         """Run the wrapper's plan on first use (or after another plan took the wrapper)."""
         heads, kv_heads, d = q.shape[1], k.shape[1], q.shape[2]
-        key = (self.kind, self.kind == "decode" and heads // kv_heads >= 4)
+        key = (self.kind, self.kind == "decode" and tensor_core_decode(heads, kv_heads))
         wrapper = self.backend._wrapper(*key)
         sig = (self.id, heads, kv_heads, d, q.dtype)
         if self.backend._owner.get(key) == sig:
             return wrapper
-        common = dict(sm_scale=1.0 / math.sqrt(d), q_data_type=q.dtype, kv_data_type=k.dtype)
-        m, ps = self.meta, self.layout.page_size
-        if self.kind == "decode":
-            wrapper.plan(m["paged_kv_indptr"], m["paged_kv_indices"],
-                         m["paged_kv_last_page_len"], heads, kv_heads, d, ps, **common)
-        elif self.kind == "paged":
-            wrapper.plan(m["qo_indptr"], m["paged_kv_indptr"], m["paged_kv_indices"],
-                         m["paged_kv_last_page_len"], heads, kv_heads, d, ps,
-                         custom_mask=self.custom_mask, causal=True, **common)
-        else:
-            wrapper.plan(m["qo_indptr"], m["kv_indptr"], heads, kv_heads, d,
-                         custom_mask=self.custom_mask, causal=True, **common)
+        plan_wrapper(wrapper, self.kind, self.meta, heads, kv_heads, d, self.layout.page_size,
+                     q.dtype, self.custom_mask)
         self.backend._owner[key] = sig
         return wrapper
 
@@ -158,12 +194,8 @@ class FlashInferPlan:
         if t != self.num_tokens:
             raise ValueError(f"plan is for {self.num_tokens} tokens, got q with {t}")
         if self.cached:
-            kc, vc = cache.layer(layer)
-            check_dtypes(q, k, kc.dtype)
-            kvh = k.shape[1]
-            kc.view(-1, kvh, d).index_copy_(0, self.slots, k)
-            vc.view(-1, kvh, d).index_copy_(0, self.slots, v)
-            return self._ensure_planned(q, k).run(q, (kc, vc))
+            check_dtypes(q, k, cache.layer(layer)[0].dtype)
+            return self._ensure_planned(q, k).run(q, append_kv(cache, layer, self.slots, k, v))
         check_dtypes(q, k, None)
         # v is usually a strided slice of the fused qkv output; hand the kernel dense rows.
         return self._ensure_planned(q, k).run(q, k.contiguous(), v.contiguous())
@@ -194,15 +226,18 @@ class FlashInferBackend:
     """
 
     name = "flashinfer"
+    graphs = None  # model/cuda_graphs.CudaGraphs when the engine replays steps as CUDA graphs
 
     def __init__(self, device: torch.device | str = "cuda",
-                 workspace_bytes: int = WORKSPACE_BYTES) -> None:
-        import flashinfer
+                 workspace_bytes: int = WORKSPACE_BYTES, module=None) -> None:
+        """module: the flashinfer package (default); tests pass a CPU stand-in with its API."""
+        if module is None:
+            import flashinfer as module
 
-        self._fi = flashinfer
+            if torch.device(device).type != "cuda":
+                raise ValueError(f"FlashInferBackend needs a CUDA device, got {device}")
+        self._fi = module
         self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"FlashInferBackend needs a CUDA device, got {self.device}")
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._wrappers: dict[tuple[str, bool], object] = {}
         self._owner: dict[tuple[str, bool], tuple] = {}  # wrapper key -> plan signature
@@ -213,11 +248,10 @@ class FlashInferBackend:
         if key not in self._wrappers:
             fi, ws = self._fi, self.workspace
             if kind == "decode":
-                # Tensor-core decode wins once a kv head serves >= 4 query heads (GQA).
                 w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD",
                                                           use_tensor_cores=tensor_cores)
             elif kind == "paged":
-                w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+                w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=PAGED_BACKEND)
             elif kind == "mla":
                 from inference_eval.engine.attention.flashinfer_mla import new_wrapper
 
@@ -226,6 +260,26 @@ class FlashInferBackend:
                 w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
             self._wrappers[key] = w
         return self._wrappers[key]
+
+    def graph_wrapper(self, kind: str, batch: int, max_pages: int, tensor_cores: bool = False):
+        """A wrapper in FlashInfer's CUDA-graph mode for `batch` requests (decode, or paged
+        without a custom mask): its page table lives in fixed device buffers that every later
+        plan overwrites, so a graph captured around its `run` replays with any table of that
+        batch size (max_pages: the most pages one step can list)."""
+        i32 = dict(dtype=torch.int32, device=self.device)
+        indptr, last = torch.zeros(batch + 1, **i32), torch.zeros(batch, **i32)
+        indices = torch.zeros(max_pages, **i32)
+        if kind == "decode":
+            return self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+                paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last)
+        if kind != "paged":
+            raise ValueError(f"no CUDA-graph wrapper for {kind!r} steps")
+        return self._fi.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros(batch + 1, **i32),
+            paged_kv_indptr_buf=indptr, paged_kv_indices_buf=indices,
+            paged_kv_last_page_len_buf=last, backend=PAGED_BACKEND)
 
     def plan(self, layout: BatchLayout) -> FlashInferPlan:
         return FlashInferPlan(self, layout)

@@ -27,6 +27,7 @@ class AttentionPlan(Protocol):
 
 class AttentionBackend(Protocol):
     name: str
+    graphs: object | None  # model/cuda_graphs.CudaGraphs where steps replay as CUDA graphs
 
     def plan(self, layout: BatchLayout) -> AttentionPlan: ...
 

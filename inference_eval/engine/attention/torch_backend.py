@@ -295,6 +295,7 @@ def _sub_layout(layout: BatchLayout, group: list[int]) -> BatchLayout:
 
 class TorchAttentionBackend:
     name = "torch"
+    graphs = None  # its steps' shapes follow the cache's lengths: no CUDA graphs
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)

@@ -114,14 +114,19 @@ class _HeadStep(nn.Module):
         return nxt, self.head.logits(feats, cpu_blas=True).float()
 
 
+def dense_attending(model: nn.Module) -> bool:
+    """A TransformerLM or draft head whose layers are dense GQA (a head: one attending
+    layer): what the step graphs here (and CUDA graphs, model/cuda_graphs.py) can run."""
+    a = model.arch
+    return (not a.is_mla and not any(a.is_moe_layer(i) for i in range(a.num_layers))
+            and getattr(model, "attends", True))
+
+
 def compilable(model: nn.Module) -> bool:
     """Whether a TransformerLM or a draft head can run compiled: CPU fp32 weights, dense
-    GQA layers (a head: one attending layer)."""
+    GQA layers."""
     w = model.lm_head_weight
-    a = model.arch
-    return (w.device.type == "cpu" and w.dtype == torch.float32 and not a.is_mla
-            and not any(a.is_moe_layer(i) for i in range(a.num_layers))
-            and getattr(model, "attends", True))
+    return w.device.type == "cpu" and w.dtype == torch.float32 and dense_attending(model)
 
 
 class _RowCompiled:
@@ -138,11 +143,14 @@ class _RowCompiled:
         self.threads = torch.get_num_threads()  # the kernels' OpenMP width is fixed at compile
         self._fns: dict[tuple[int, ...], object] = {}
         self.rows: set[tuple[tuple[int, ...], int]] = set()  # (variant, T) warm() compiled
-        # One graph per row count and variant; past the default limit (8) dynamo would fall
-        # back to eager silently.
-        limit = 4 * max_rows
-        if torch._dynamo.config.recompile_limit < limit:
-            torch._dynamo.config.recompile_limit = limit
+        # One graph per row count and variant, and every instance compiles the same code
+        # objects anew (an eval builds an engine, with its own head, per run and pass): raise
+        # dynamo's per-code-object and total limits by what this instance may add, or a long
+        # eval stops on them (fullgraph=True fails where dynamo would fall back to eager).
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, 8) + 4 * max_rows
+        if hasattr(cfg, "accumulated_recompile_limit"):
+            cfg.accumulated_recompile_limit += 4 * max_rows
 
     def ready(self, num_tokens: int, variant: tuple[int, ...] = ()) -> bool:
         """Whether a step of this many rows runs compiled: warmed, and inference (no grad)."""

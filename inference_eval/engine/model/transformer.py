@@ -104,6 +104,15 @@ class TransformerLM(nn.Module):
             if logits_indices is not None:
                 logits = logits.index_select(0, logits_indices)
             return ModelOutput(logits=logits, hidden=x, aux=aux)
+        g = getattr(plan, "graphs", None)  # CUDA graphs (model/cuda_graphs.py)
+        if g is not None and compute_logits and (logits_indices is None
+                                                 or logits_indices.numel() == input_ids.shape[0]):
+            got = g.model_step(self, input_ids, ctx, cache, tuple(aux_layers))
+            if got is not None:
+                logits, x, aux = got
+                if logits_indices is not None:
+                    logits = logits.index_select(0, logits_indices)
+                return ModelOutput(logits=logits, hidden=x, aux=aux)
         x = self.embed_tokens(input_ids)
         want = {layer: j for j, layer in enumerate(aux_layers)}
         aux = [None] * len(want)

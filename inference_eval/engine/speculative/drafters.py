@@ -213,9 +213,14 @@ class HeadDrafter(_HeadLogits, Drafter):
         needs its last rows, hence `rows` (a compiled step computes them all: it is small)."""
         ctx = StepContext(self.head.rope_cos[plan.positions], self.head.rope_sin[plan.positions],
                           plan, self.cache)
-        c = self.compiled
+        c, g = self.compiled, getattr(plan, "graphs", None)
+        got = None
         if c is not None and c.applies(tokens.shape[0], state):
-            nxt, logits = c(tokens, state, ctx)
+            got = c(tokens, state, ctx)
+        elif g is not None:  # CUDA graphs (model/cuda_graphs.py)
+            got = g.head_step(self.head, tokens, state, ctx, self.cache)
+        if got is not None:
+            nxt, logits = got
             return nxt, self._to_target(logits if rows is None else logits.index_select(0, rows))
         nxt, feats = self.head.step(tokens, state, ctx, k=k)
         return nxt, self._logits(feats if rows is None else feats.index_select(0, rows))

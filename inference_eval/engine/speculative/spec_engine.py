@@ -35,13 +35,15 @@ from inference_eval.engine.speculative.chain import verify_greedy, verify_sample
 
 class SpecEngine(LLMEngine):
     def __init__(self, model, tokenizer, cfg: EngineConfig | None, make_drafter, max_accepted: int,
-                 lookahead: int | None = None) -> None:
+                 lookahead: int | None = None, min_confidence: float = 0.0) -> None:
         """make_drafter(num_pages, page_size, device, dtype) -> a Drafter on the engine's pages;
         max_accepted: the most draft tokens one round can accept (chain K, tree depth; the
         config key is draft.num_draft or draft.depth); lookahead: cache slots a round writes
-        past the last token (default K + 1)."""
+        past the last token (default K + 1); min_confidence: a request's chain stops at the
+        first draft whose law's largest probability is below it (0: never)."""
         if max_accepted < 1:
             raise ValueError(f"draft.num_draft must be >= 1, got {max_accepted}")
+        self.min_confidence = min_confidence
         super().__init__(model, tokenizer, cfg, lookahead=lookahead or max_accepted + 1)
         if max_accepted + 2 >= self.max_context:
             raise ValueError(f"draft.num_draft={max_accepted} does not fit the context "
@@ -168,7 +170,7 @@ class SpecEngine(LLMEngine):
         n = [r.num_cached for r in reqs]
         ks = self.drafter.draft_lengths(reqs, n, [self._draft_len(r) for r in reqs])
         b, kmax = len(reqs), max(max(ks), 1)
-        dtok, qs = self._propose(reqs, ks, n, st, greedy, kmax)
+        dtok, qs, ks = self._propose(reqs, ks, n, st, greedy, kmax)
         t0 = self._tick("draft", t0)
         # Verify [x_n, d_1..d_k] of every request in one target pass.
         layout = self._sub_layout(reqs, [k + 1 for k in ks], [m + k + 1 for m, k in zip(n, ks)])
@@ -222,26 +224,33 @@ class SpecEngine(LLMEngine):
 
     def _propose(self, reqs, ks, n, st, greedy, kmax):
         """Draft up to ks[i] tokens per request -> (drafts [B, kmax] int64 on the device, 0
-        past ks[i]; draft probs per request: the processed distribution each draft was drawn
-        from, empty when greedy). Nothing is read back to the host here."""
-        b = len(reqs)
+        past the request's drafts; draft probs per request: the processed distribution each
+        draft was drawn from, empty when greedy; the drafts each request has). Nothing is
+        read back to the host here, except each step's confidences with min_confidence:
+        a request whose draft law's top probability falls below it keeps only the drafts
+        before that one (the cut depends on the draft alone, so verification stays lossless)."""
+        b, ks = len(reqs), list(ks)
         dtok = torch.zeros(b, kmax, dtype=torch.long, device=self.device)
         qs: list[list[torch.Tensor]] = [[] for _ in range(b)]
         live = [i for i in range(b) if ks[i] > 0]
         if not live:
-            return dtok, qs
+            return dtok, qs, ks
         state, logits = self.drafter.begin_round([reqs[i] for i in live], [n[i] for i in live])
         for s in range(1, max(ks) + 1):
             sub = SamplingTensors(st.temperature[live], st.top_k[live], st.top_p[live])
-            if greedy:
-                tok = logits.argmax(-1)
-            else:
-                probs = processed_probs(logits, sub)
-                tok = sample_from_probs(probs, self.generator)
-                for j, i in enumerate(live):
+            probs = None if greedy else processed_probs(logits, sub)
+            sure = self._confident(logits if greedy else probs, greedy, len(live))
+            tok = logits.argmax(-1) if greedy else sample_from_probs(probs, self.generator)
+            for j, i in enumerate(live):
+                if not sure[j]:
+                    ks[i] = s - 1
+                elif probs is not None:
                     qs[i].append(probs[j])
-            dtok[torch.tensor(live, device=self.device), s - 1] = tok
-            nxt = [j for j, i in enumerate(live) if ks[i] > s]
+            kept = [j for j in range(len(live)) if sure[j]]
+            if kept:
+                rows = torch.tensor(kept, device=self.device)
+                dtok[torch.tensor([live[j] for j in kept], device=self.device), s - 1] = tok[rows]
+            nxt = [j for j, i in enumerate(live) if sure[j] and ks[i] > s]
             if not nxt:
                 break
             live = [live[j] for j in nxt]
@@ -249,4 +258,13 @@ class SpecEngine(LLMEngine):
                 state = state[nxt]
             state, logits = self.drafter.step([reqs[i] for i in live], [n[i] for i in live], s,
                                               tok[nxt], state)
-        return dtok, qs
+        return dtok, qs, ks
+
+    def _confident(self, scores: torch.Tensor, logits: bool, rows: int) -> list[bool]:
+        """Per row of one draft step (scores [L, V]: logits when greedy, else processed
+        probabilities): whether its law's top probability reaches min_confidence."""
+        if self.min_confidence <= 0:
+            return [True] * rows
+        p = torch.softmax(scores.float(), -1) if logits else scores
+        self.counters["host_syncs"] += 1
+        return (p.max(-1).values >= self.min_confidence).tolist()
