@@ -120,3 +120,19 @@ def test_sampled_speculation_matches_target_distribution(tiny_hf, tmp_path):
     accepted = sum(r.meta["accepted"][1] for r in out)
     assert 0 < accepted < trials  # both branches were exercised
     assert chi2_pvalue(counts, joint) > 1e-4
+
+
+def test_a_request_that_fails_after_preemption_leaves_no_drafter_state(tiny_hf):
+    """A request that outgrows the whole cache is preempted, then failed when it cannot fit
+    even alone: the drafter forgets it like a finished one."""
+    from inference_eval.engine.speculative.drafters import LLMDrafter
+
+    loaded = _loaded(tiny_hf)
+    make = lambda p, ps, d, dt: LLMDrafter(loaded.model, p, ps, d, dt)  # noqa: E731
+    eng = SpecEngine(loaded.model, None, EngineConfig(attention="torch", page_size=4, num_pages=6),
+                     make, max_accepted=2)
+    (r,) = eng.generate([_prompts(1, seed=3)[0][:8]], SamplingParams(max_new_tokens=40,
+                                                                     ignore_eos=True), progress=False)
+    assert r.error and "KV pages" in r.error and r.num_preemptions >= 1
+    assert len(r.token_ids) > 4  # it ran rounds (and drafted) before it failed
+    assert eng.drafter.cached == {}

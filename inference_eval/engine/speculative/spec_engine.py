@@ -124,6 +124,8 @@ class SpecEngine(LLMEngine):
     def _step(self) -> list[Request]:
         batch = self.scheduler.schedule()
         done = list(batch.failed)
+        for r in batch.failed:  # preempted earlier, it may have drafter state
+            self.drafter.drop(r.id)
         pre = [(r, q) for r, q in zip(batch.requests, batch.q_lens) if r.prefills(q)]
         dec = [r for r, q in zip(batch.requests, batch.q_lens) if not r.prefills(q)]
         if pre:
