@@ -182,6 +182,31 @@ def test_graph_cap_and_off_switch_run_eagerly(tiny_hf, stand_ins):
     assert len(eng.backend.graphs.entries) == 1
 
 
+def test_aux_layers_come_back_in_the_order_asked(tiny_hf, stand_ins):
+    """EAGLE-3 reads target layers in its own order: a graphed step returns them as listed
+    (here reversed), as the eager step does; outside inference mode nothing is graphed."""
+    from inference_eval.engine.attention import BatchLayout
+
+    loaded = _loaded(tiny_hf)
+    ids = (torch.arange(21) * 37 + 5) % 320
+    pages = list(range(6))
+    outs = []
+    for graphs in (False, True):
+        eng = LLMEngine(loaded.model, None, EngineConfig(attention="flashinfer", cuda_graphs=graphs,
+                                                         **CFG))
+        with torch.inference_mode():
+            loaded.model(ids[:18], eng.backend.plan(BatchLayout([18], [18], [pages], 4)), eng.cache)
+            out = loaded.model(ids[18:], eng.backend.plan(BatchLayout([3], [21], [pages], 4)),
+                               eng.cache, aux_layers=(2, 0))
+        outs.append(out.aux)
+    assert eng.backend.graphs.captures == 1  # the 3-row step (an 18-row prefill is not graphed)
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    assert not torch.equal(outs[1][:, 0], outs[1][:, 1])
+    with torch.no_grad():
+        loaded.model(ids[18:19], eng.backend.plan(BatchLayout([1], [19], [pages], 4)), eng.cache)
+    assert eng.backend.graphs.captures == 1
+
+
 def test_torch_backend_engines_have_no_graphs(tiny_hf):
     loaded = _loaded(tiny_hf)
     eng = LLMEngine(loaded.model, None, EngineConfig(attention="torch", **CFG))
@@ -240,7 +265,7 @@ def test_gpu_graph_steps_match_eager_steps(gpu_model):
     be = make_backend("flashinfer", "cuda")
     be.graphs = CudaGraphs(be)
     graphed, graph_cache = _teacher_forced(gpu_model.model, be, seqs)
-    assert be.graphs.captures == 3 and be.graphs.replays == 5  # prefill, decode x6, verify
+    assert be.graphs.captures == 2 and be.graphs.replays == 5  # decode x6, verify (prefill: eager)
     torch.testing.assert_close(graphed, eager, atol=LOGIT_ATOL, rtol=0.05)
     assert graphed.argmax(-1).tolist() == eager.argmax(-1).tolist()
     torch.testing.assert_close(graph_cache.k.float(), eager_cache.k.float(), atol=5e-2, rtol=5e-2)

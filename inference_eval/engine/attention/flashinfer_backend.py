@@ -35,9 +35,9 @@ from inference_eval.engine.attention.layout import BatchLayout
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-# FlashInfer's "auto" picks its FA3 kernels on Hopper, which failed ("operation not
+# FlashInfer's "auto" picks its FA3 prefill kernels on Hopper, which failed ("operation not
 # supported", H200) on SmolLM2's 9 query heads over 3 kv heads; FA2 takes every group size.
-PAGED_BACKEND = "fa2"
+PREFILL_BACKEND = "fa2"
 
 
 def available() -> bool:
@@ -251,13 +251,13 @@ class FlashInferBackend:
                 w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD",
                                                           use_tensor_cores=tensor_cores)
             elif kind == "paged":
-                w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=PAGED_BACKEND)
+                w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=PREFILL_BACKEND)
             elif kind == "mla":
                 from inference_eval.engine.attention.flashinfer_mla import new_wrapper
 
                 w = new_wrapper(fi, ws)
             else:
-                w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+                w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=PREFILL_BACKEND)
             self._wrappers[key] = w
         return self._wrappers[key]
 
@@ -279,7 +279,7 @@ class FlashInferBackend:
         return self._fi.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros(batch + 1, **i32),
             paged_kv_indptr_buf=indptr, paged_kv_indices_buf=indices,
-            paged_kv_last_page_len_buf=last, backend=PAGED_BACKEND)
+            paged_kv_last_page_len_buf=last, backend=PREFILL_BACKEND)
 
     def plan(self, layout: BatchLayout) -> FlashInferPlan:
         return FlashInferPlan(self, layout)

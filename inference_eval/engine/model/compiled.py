@@ -90,11 +90,11 @@ class _Step(nn.Module):
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         m, ctx = self.model, _GraphContext(cos, sin)
         x = m.embed_tokens(input_ids)
-        aux = []
+        aux = [None] * len(self.aux_layers)  # in the order the caller lists them
         for i, layer in enumerate(m.layers):
             x = layer(x, ctx)
             if i in self.aux_layers:
-                aux.append(x)
+                aux[self.aux_layers.index(i)] = x
         logits = m.compute_logits(x)
         return logits, x, (torch.stack(aux, dim=1) if aux else None)
 

@@ -28,6 +28,7 @@ the attention sums (its CUDA-graph plans always split; bf16 rounding), tested on
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,6 +41,10 @@ from inference_eval.engine.model.compiled import _ACTIVE, _HeadStep, _Step, dens
 from inference_eval.engine.model.transformer import StepContext
 
 MAX_TOKENS = 256  # rows of the largest graphed step (batch x rows per request)
+# Rows one request may have in a graphed step: decode, verification and refills after a
+# round; a prompt's prefill (and the head's refill over it) has a new length every time,
+# so graphing it would capture one graph per prompt.
+MAX_REQUEST_ROWS = 16
 MAX_GRAPHS = 64  # each FlashInfer wrapper holds 16 MB of int workspace (8 of it pinned host)
 
 
@@ -92,7 +97,9 @@ class CudaGraphs:
     backend carries it). `captures` / `replays` count what ran as graphs."""
 
     def __init__(self, backend, max_graphs: int = MAX_GRAPHS, graph_factory=None) -> None:
-        self.backend, self.max_graphs = backend, max_graphs
+        # The backend holds this registry; a weak reference back keeps the two from a cycle
+        # that would hold a dropped engine's cache and graphs until a cyclic collection.
+        self._backend, self.max_graphs = weakref.ref(backend), max_graphs
         self._factory = graph_factory
         self.entries: dict[tuple, _Entry] = {}
         self._modules: dict[tuple, nn.Module] = {}  # (id(module), variant) -> graph module
@@ -137,10 +144,11 @@ class CudaGraphs:
         return tuple(None if o is None else o.clone() for o in e.outputs)
 
     def _applies(self, module, plan) -> bool:
+        # Under inference mode only: the graphs' buffers are inference tensors.
         return (getattr(plan, "graphs", None) is self and plan.cached
                 and plan.kind in ("decode", "paged") and plan.custom_mask is None
-                and plan.num_tokens <= MAX_TOKENS and not torch.is_grad_enabled()
-                and dense_attending(module))
+                and plan.num_tokens <= MAX_TOKENS and max(plan.layout.q_lens) <= MAX_REQUEST_ROWS
+                and torch.is_inference_mode_enabled() and dense_attending(module))
 
     def _capture(self, key, module, variant, make_module, ctx, cache, inputs):
         plan, arch = ctx.plan, module.arch
@@ -154,7 +162,7 @@ class CudaGraphs:
         wkey = (plan.kind, tc, len(plan.layout.q_lens), plan.num_tokens, heads, kv_heads,
                 arch.head_dim, cache.k.dtype, cache.page_size, cache.num_pages)
         if wkey not in self._wrappers:
-            self._wrappers[wkey] = self.backend.graph_wrapper(
+            self._wrappers[wkey] = self._backend().graph_wrapper(
                 plan.kind, len(plan.layout.q_lens), cache.num_pages, tc)
         self._plan(wkey, plan)
         static = tuple(t.clone() for t in inputs)

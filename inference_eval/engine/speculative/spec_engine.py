@@ -241,7 +241,7 @@ class SpecEngine(LLMEngine):
         for s in range(1, max(ks) + 1):
             sub = SamplingTensors(st.temperature[live], st.top_k[live], st.top_p[live])
             probs = None if greedy else processed_probs(logits, sub)
-            sure = self._confident(logits if greedy else probs, greedy, len(live))
+            sure = self._confident(logits, len(live))
             tok = logits.argmax(-1) if greedy else sample_from_probs(probs, self.generator)
             for j, i in enumerate(live):
                 if not sure[j]:
@@ -262,11 +262,12 @@ class SpecEngine(LLMEngine):
                                               tok[nxt], state)
         return dtok, qs, ks
 
-    def _confident(self, scores: torch.Tensor, logits: bool, rows: int) -> list[bool]:
-        """Per row of one draft step (scores [L, V]: logits when greedy, else processed
-        probabilities): whether its law's top probability reaches min_confidence."""
+    def _confident(self, logits: torch.Tensor, rows: int) -> list[bool]:
+        """Per row of one draft step (logits [L, V]): whether the draft model's own law, before
+        any sampling setting, puts min_confidence on its top token. The same test for greedy
+        and sampled requests, so a request's cuts do not depend on its batch."""
         if self.min_confidence <= 0:
             return [True] * rows
-        p = torch.softmax(scores.float(), -1) if logits else scores
         self.counters["host_syncs"] += 1
-        return (p.max(-1).values >= self.min_confidence).tolist()
+        top = torch.softmax(logits.float(), -1).max(-1).values
+        return (top >= self.min_confidence).tolist()
