@@ -8,6 +8,7 @@ train/full_state.py) is the trainer's own, called the way the loop calls it.
 """
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -82,10 +83,14 @@ def main(argv: list[str]) -> None:
     else:
         save_final_head(full, out, extra={"train": {"steps": tc.max_steps, "strategy": "fsdp"}})
     logger.close()
-    # Both ranks leave together: a rank that tore its group down while the other was still
-    # in its last collective ended, rarely, in "terminate called without an active exception".
+    # Both ranks leave together, and without tearing gloo down: a rank that destroyed its
+    # group while the other was still in its last collective ended, rarely, in "terminate
+    # called without an active exception" (exit -6), even after a barrier (2026-12-04). All
+    # files are written and closed by now, so the process ends without C++ destructors.
     dist.barrier()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
