@@ -9,7 +9,8 @@
 #      measures real τ in the engine on held-out prompts of many categories (a chain of K) and
 #      keeps the best head (checkpoints/best) with the acceptance curve beside it,
 #   4. evaluate that head in the engine on held-out prompts of many categories against
-#      draft=none (autoregressive), as chains (and a tree for long), behind n-gram lookup
+#      draft=none (autoregressive), as chains (one cut by the head's confidence, `chain4_cut`;
+#      and a tree for long), behind n-gram lookup
 #      (run `head_lookup`) and n-gram lookup alone (run `lookup`, no model): τ, α_k, speedup,
 #      lossless check -> $OUT/eval/report.md
 # Rerunning resumes/reuses what is already there (every stage is resumable and cached).
@@ -106,11 +107,14 @@ ck="$H/checkpoints/best"
 corpus=""; [ "$DATA" != sharegpt ] && corpus=",lookup_corpus:$OUT/shards"
 # `lookup` alone (no model) beside it says how much of head_lookup's gain is the head's.
 lookups="{kind:head,checkpoint:$ck,name:head_lookup,num_draft:4,lookup:true,model_draft:1$corpus},{kind:lookup,name:lookup,num_draft:4$corpus}"
+# A K=4 chain cut where the head's law puts < 0.3 on its top token (draft.min_confidence):
+# rounds verify only the drafts the head is sure of.
+cut="{kind:head,checkpoint:$ck,name:chain4_cut,num_draft:4,min_confidence:0.3}"
 drafts="[{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K},$lookups]"
 if [ "$PRESET" = quick ] && [ "$K" != 1 ]; then  # K=1: the draft length a weak head can afford
-  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K},$lookups]"
+  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K},$cut,$lookups]"
 elif [ "$PRESET" = long ]; then
-  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain2,num_draft:2},{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree,depth:4,topk:4,total_tokens:12},$lookups]"
+  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain2,num_draft:2},{kind:head,checkpoint:$ck,name:chain4,num_draft:4},$cut,{kind:head,checkpoint:$ck,name:tree,scheme:tree,depth:4,topk:4,total_tokens:12},$lookups]"
 elif [ "$PRESET" = gpu ]; then
   drafts="[{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree},$lookups]"
 fi

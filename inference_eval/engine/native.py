@@ -28,12 +28,35 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno
           "-fopenmp"]  # OpenMP: at::parallel_for's pragma and the kernels' own
 
 
+# A build holds torch's lock file while it runs (~16-60 s); a process killed inside one leaves
+# the file behind, and every later load would wait on it forever without a word.
+STALE_LOCK_S = 600
+
+
+def clear_stale_lock(name: str, max_age_s: float = STALE_LOCK_S) -> Path | None:
+    """Remove the build lock of extension `name` when it is older than max_age_s (its builder
+    is gone); returns the removed path, else None."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        if time.time() - lock.stat().st_mtime <= max_age_s:
+            return None
+        lock.unlink()
+    except (ImportError, OSError):  # no lock (the usual case), or torch moved its helper
+        return None
+    warnings.warn(f"removed a stale build lock {lock} (older than {max_age_s:.0f} s: a build "
+                  "was killed inside it)", stacklevel=3)
+    return lock
+
+
 def build(source: Path, fallback: str):
     """The compiled module of `source` (named specheads_<stem>), or None (with one warning
     naming `fallback`, what serves instead) where it cannot be built."""
     try:
         from torch.utils.cpp_extension import load
 
+        clear_stale_lock(f"specheads_{source.stem}")
         return load(name=f"specheads_{source.stem}", sources=[str(source)], extra_cflags=_FLAGS,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler or ninja

@@ -28,3 +28,24 @@ def test_a_source_that_does_not_compile_warns_and_returns_none(tmp_path):
     bad.write_text('#include "no_such_header.h"\n')
     with pytest.warns(UserWarning, match="(?s)broken_kernel.cpp could not be built.*no_such_header.*torch path"):
         assert native.build(bad, "the torch path serves") is None
+
+
+def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path, monkeypatch):
+    """A build killed inside torch's lock leaves the lock file; every later load would wait
+    on it forever. One older than STALE_LOCK_S goes (with a warning); a fresh one stays."""
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = __import__("pathlib").Path(_get_build_directory("specheads_x", verbose=False)) / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    assert native.clear_stale_lock("specheads_x") is None and lock.exists()  # a live build
+    old = time.time() - native.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="stale build lock"):
+        assert native.clear_stale_lock("specheads_x") == lock
+    assert not lock.exists()
+    assert native.clear_stale_lock("specheads_x") is None  # nothing there: nothing to do
