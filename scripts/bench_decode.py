@@ -99,6 +99,9 @@ def main() -> None:
         sync()
         return time.perf_counter() - t, toks
 
+    def tokens(e: LLMEngine, group: list[list[int]]) -> int:
+        return sum(len(r.token_ids) for r in e.generate(group, params, progress=False))
+
     def rates(run, groups: list[list[list[int]]]) -> list[float]:
         """tokens/s of each of --reps runs of `run` over all groups."""
         out = []
@@ -119,14 +122,12 @@ def main() -> None:
         res = {}
         for bs, groups in ((1, [[x] for x in ids[:4]]), (8, [ids])):
             if eager is not None:
-                slow = rates(lambda g: sum(len(r.token_ids) for r in eager.generate(
-                    g, params, progress=False)), groups)
+                slow = rates(lambda g: tokens(eager, g), groups)
                 res[f"ours_no_graphs_tok_s_bs{bs}"] = round(statistics.median(slow), 2)
             # Each side runs all its groups back to back: interleaving the two thread pools
             # (ours: OpenBLAS, transformers: OpenMP) makes whichever runs second pay for the
             # other's spinning workers.
-            ours = rates(lambda g: sum(len(r.token_ids) for r in eng.generate(g, params, progress=False)),
-                         groups)
+            ours = rates(lambda g: tokens(eng, g), groups)
             base = rates(lambda g: hf_generate(hf, tok, g, n), groups)
             res[f"ours_tok_s_bs{bs}"] = round(statistics.median(ours), 2)
             res[f"base_tok_s_bs{bs}"] = round(statistics.median(base), 2)

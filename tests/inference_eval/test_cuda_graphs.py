@@ -166,8 +166,7 @@ def test_head_drafts_and_refills_replay_as_graphs(tiny_hf, stand_ins):
     assert [r.meta["accepted"] for r in graph_out] == [r.meta["accepted"] for r in eager_out]
     accepted = sum(sum(r.meta["accepted"]) for r in graph_out)
     assert accepted > 0.3 * sum(sum(r.meta["proposed"]) for r in graph_out)
-    head_id = id(eng.drafter.head)
-    head_kinds = {k[3] for k in eng.backend.graphs.entries if k[0] == head_id}
+    head_kinds = {k[3] for k in eng.backend.graphs.entries if k[0] is eng.drafter.head}
     assert head_kinds == {"decode", "paged"}  # draft steps, refills
 
 

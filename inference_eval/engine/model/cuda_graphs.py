@@ -102,8 +102,7 @@ class CudaGraphs:
         self._backend, self.max_graphs = weakref.ref(backend), max_graphs
         self._factory = graph_factory
         self.entries: dict[tuple, _Entry] = {}
-        self._modules: dict[tuple, nn.Module] = {}  # (id(module), variant) -> graph module
-        self._keep: dict[int, object] = {}  # modules and caches by id, so no id is reused
+        self._modules: dict[tuple, nn.Module] = {}  # (module, variant) -> graph module
         self._wrappers: dict[tuple, object] = {}
         self._planned: dict[tuple, int] = {}  # wrapper key -> id of the plan it holds
         self.captures = self.replays = 0
@@ -125,12 +124,14 @@ class CudaGraphs:
     # ---- capture and replay -------------------------------------------------------------
     def _step(self, module, variant, make_module, ctx, cache, inputs):
         plan = ctx.plan
-        if not self._applies(module, plan):
+        if not self._applies(plan):
             return None
-        key = (id(module), id(cache), variant, plan.kind, tuple(plan.layout.q_lens))
+        # The module and cache themselves (hashed by identity) key the graph: held here,
+        # they outlive every graph that writes to them.
+        key = (module, cache, variant, plan.kind, tuple(plan.layout.q_lens))
         e = self.entries.get(key)
         if e is None:
-            if len(self.entries) >= self.max_graphs:
+            if len(self.entries) >= self.max_graphs or not dense_attending(module):
                 return None
             return self._capture(key, module, variant, make_module, ctx, cache, inputs)
         for dst, src in zip(e.inputs, inputs):
@@ -143,20 +144,18 @@ class CudaGraphs:
         self.replays += 1
         return tuple(None if o is None else o.clone() for o in e.outputs)
 
-    def _applies(self, module, plan) -> bool:
+    def _applies(self, plan) -> bool:
         # Under inference mode only: the graphs' buffers are inference tensors.
         return (getattr(plan, "graphs", None) is self and plan.cached
                 and plan.kind in ("decode", "paged") and plan.custom_mask is None
                 and plan.num_tokens <= MAX_TOKENS and max(plan.layout.q_lens) <= MAX_REQUEST_ROWS
-                and torch.is_inference_mode_enabled() and dense_attending(module))
+                and torch.is_inference_mode_enabled())
 
     def _capture(self, key, module, variant, make_module, ctx, cache, inputs):
         plan, arch = ctx.plan, module.arch
-        mkey = (id(module), variant)
-        if mkey not in self._modules:
-            self._modules[mkey] = make_module()
-        graph_module = self._modules[mkey]
-        self._keep[id(module)], self._keep[id(cache)] = module, cache
+        if (module, variant) not in self._modules:
+            self._modules[module, variant] = make_module()
+        graph_module = self._modules[module, variant]
         heads, kv_heads = arch.num_heads, arch.num_kv_heads
         tc = plan.kind == "decode" and tensor_core_decode(heads, kv_heads)
         wkey = (plan.kind, tc, len(plan.layout.q_lens), plan.num_tokens, heads, kv_heads,

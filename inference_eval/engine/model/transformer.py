@@ -97,22 +97,19 @@ class TransformerLM(nn.Module):
         """
         positions = plan.positions
         ctx = StepContext(self.rope_cos[positions], self.rope_sin[positions], plan, cache)
-        c = self.compiled
+        # A whole step as one graph (every row's logits): compiled on CPU, a CUDA graph on GPU.
+        c, g, got = self.compiled, getattr(plan, "graphs", None), None
         if c is not None and c.applies(input_ids.shape[0], logits_indices, compute_logits,
                                        tuple(aux_layers)):
-            logits, x, aux = c(input_ids, ctx, tuple(aux_layers))
+            got = c(input_ids, ctx, tuple(aux_layers))
+        elif g is not None and compute_logits and (logits_indices is None
+                                                   or logits_indices.numel() == input_ids.shape[0]):
+            got = g.model_step(self, input_ids, ctx, cache, tuple(aux_layers))
+        if got is not None:
+            logits, x, aux = got
             if logits_indices is not None:
                 logits = logits.index_select(0, logits_indices)
             return ModelOutput(logits=logits, hidden=x, aux=aux)
-        g = getattr(plan, "graphs", None)  # CUDA graphs (model/cuda_graphs.py)
-        if g is not None and compute_logits and (logits_indices is None
-                                                 or logits_indices.numel() == input_ids.shape[0]):
-            got = g.model_step(self, input_ids, ctx, cache, tuple(aux_layers))
-            if got is not None:
-                logits, x, aux = got
-                if logits_indices is not None:
-                    logits = logits.index_select(0, logits_indices)
-                return ModelOutput(logits=logits, hidden=x, aux=aux)
         x = self.embed_tokens(input_ids)
         want = {layer: j for j, layer in enumerate(aux_layers)}
         aux = [None] * len(want)
