@@ -16,7 +16,8 @@
 # Rerunning resumes/reuses what is already there (every stage is resumable and cached).
 #
 # PRESET picks the sizes and the data (env vars DATA, PROMPTS_N, ORIG_N, ANSWER, STEPS,
-# BATCH, K, EVAL_PER_CAT, NEW, OUT, COMPILE, REPEATS (eval passes, default 3) override them;
+# BATCH, K, EVAL_PER_CAT, NEW, OUT, COMPILE, TTT_STEPS (steps of the K-step rollout stage
+# after the K=1 training; 0 skips it), REPEATS (eval passes, default 3) override them;
 # COMPILE=true runs the final evaluation on the compiled CPU engine, engine.compile: ~65 s of
 # compile per step size, 1.5x faster decoding; on for long, off for quick, where the compile
 # would not pay back):
@@ -32,7 +33,8 @@
 #                   2m57s there with the block-coded products; 8m50s on an AVX2-only
 #                   EPYC before setup built the kernels), measured.
 #   long            DATA=distill: 3000 prompts answered (160 tokens, batches of 64),
-#                   1500 steps, chains of K=1, 2, 4, an EAGLE-2 tree and lookup (the
+#                   1500 steps at K=1, then 300 steps of a K=4 rollout from the best of them
+#                   (~15 min more), chains of K=1, 2, 4, an EAGLE-2 tree and lookup (the
 #                   distilled answers as its corpus) on 2 prompts per category (the
 #                   target's own greedy text is what greedy evaluation scores: ShareGPT's
 #                   text raised held-out ShareGPT top-1, not real τ); 53m on the EPYC of
@@ -54,15 +56,16 @@ bash scripts/setup_env.sh
 PY=.venv/bin/python
 PRESET=${PRESET:-quick}
 case "$PRESET" in
-  #        data     prompts orig answer steps batch K eval/cat new out
-  quick) d=(sharegpt 0     80   128    150   2048  2 1 48  runs/default) ;;
-  long)  d=(distill  3000  0    160    1500  2048  4 2 64  runs/long) ;;
-  gpu)   d=(distill  16000 0    512    6000  16384 4 10 128 runs/gpu) ;;
+  #        data     prompts orig answer steps batch K eval/cat new out         ttt
+  quick) d=(sharegpt 0     80   128    150   2048  2 1 48  runs/default 0) ;;
+  long)  d=(distill  3000  0    160    1500  2048  4 2 64  runs/long    300) ;;
+  gpu)   d=(distill  16000 0    512    6000  16384 4 10 128 runs/gpu    0) ;;
   *) echo "PRESET=$PRESET: use quick, long or gpu" >&2; exit 2 ;;
 esac
 DATA=${DATA:-${d[0]}}; PROMPTS_N=${PROMPTS_N:-${d[1]}}; ORIG_N=${ORIG_N:-${d[2]}}
 ANSWER=${ANSWER:-${d[3]}}; STEPS=${STEPS:-${d[4]}}; BATCH=${BATCH:-${d[5]}}; K=${K:-${d[6]}}
 EVAL_PER_CAT=${EVAL_PER_CAT:-${d[7]}}; NEW=${NEW:-${d[8]}}; OUT=${OUT:-${d[9]}}
+TTT_STEPS=${TTT_STEPS:-${d[10]}}
 [ "$PRESET" = long ] && COMPILE=${COMPILE:-true}
 COMPILE=${COMPILE:-false}
 case "$DATA" in sharegpt|distill|both) ;; *) echo "DATA=$DATA: use sharegpt, distill or both" >&2; exit 2 ;; esac
@@ -92,14 +95,26 @@ fi
 # quick preset validates once, at the end (its evaluation below is the measurement).
 evals=$(( STEPS / 6 > 0 ? STEPS / 6 : 1 )); tau_prompts=12
 if [ "$PRESET" = quick ]; then evals=$STEPS; tau_prompts=4; fi
-$PY -m train target=smollm2 head=mtp "data.shards='$(IFS=,; echo "${shards[*]}")'" output_dir="$H" \
-    trainer.max_steps="$STEPS" trainer.log_every=10 trainer.save_every="$evals" \
-    trainer.eval_every="$evals" optim.warmup_steps=10 optim.lr=1e-3 data.batch_tokens="$BATCH" \
-    validation.num_conversations=4 validation.max_length=512 trainer.wandb=offline \
-    validation.tau_prompts="$tau_prompts" validation.tau_prompts_path=heldout_mix \
-    validation.tau_num_draft="$K" validation.tau_max_new_tokens=32 \
-    "${recipe[@]}" "${extra[@]}"
+common=(target=smollm2 head=mtp "data.shards='$(IFS=,; echo "${shards[*]}")'" trainer.log_every=10
+        optim.warmup_steps=10 data.batch_tokens="$BATCH" validation.num_conversations=4
+        validation.max_length=512 trainer.wandb=offline validation.tau_prompts="$tau_prompts"
+        validation.tau_prompts_path=heldout_mix validation.tau_num_draft="$K"
+        validation.tau_max_new_tokens=32 "${recipe[@]}" "${extra[@]}")
+$PY -m train "${common[@]}" output_dir="$H" trainer.max_steps="$STEPS" optim.lr=1e-3 \
+    trainer.save_every="$evals" trainer.eval_every="$evals"
 ck="$H/checkpoints/best"
+# The staged schedule's second stage (TTT_STEPS > 0): from the best K=1 head, a K-step
+# rollout, so the head trains on its own drafts as a K chain reads them (long preset, 2026-12-04:
+# 300 steps, ~15 min, moved real τ at K=4 from 1.504 to 1.592, α_3 0.32 -> 0.52; README "Where
+# acceptance stands"). Its step-0 validation scores the K=1 head, so best/ stays that head
+# if the rollout does not beat it.
+if [ "$TTT_STEPS" -gt 0 ]; then
+  tevals=$(( TTT_STEPS / 3 > 0 ? TTT_STEPS / 3 : 1 ))
+  $PY -m train "${common[@]}" output_dir="$OUT/head_ttt" head.num_steps="$K" \
+      trainer.init_from="$ck" trainer.max_steps="$TTT_STEPS" optim.lr=3e-4 \
+      trainer.save_every="$tevals" trainer.eval_every="$tevals"
+  H="$OUT/head_ttt"; ck="$H/checkpoints/best"
+fi
 # The head behind n-gram lookup (README "Lookup drafting"): lookup drafts up to 4 tokens where
 # the request's own context or the corpus knows a continuation, the head 1 token elsewhere.
 # The corpus is the target's own answers (the distilled shards); ShareGPT's text is not the

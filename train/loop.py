@@ -108,6 +108,24 @@ def train(cfg: TrainConfig) -> dict:
     seen = position * cfg.data.batch_tokens  # token budget passed, for the acceptance curve
     last = {}
     done = start
+
+    def validate(step: int, k: int) -> bool:
+        """Validate and select the head as it will be saved (K = final_k); a collective.
+        Returns whether to stop early (every rank gets rank 0's decision)."""
+        head.cfg.num_steps = final_k
+        val, val_head = evaluate(validator, full, parts, acc)
+        head.cfg.num_steps = k
+        stop = False
+        if val is not None:
+            logger.log({"step": step, **{f"val/{n}": v for n, v in val.items()}})
+            bar.write(validation_line(step, val))
+            stop = selection.update(step, seen, val, val_head)
+        return bool(acc.reduce(torch.tensor([float(stop)], device=acc.device), "sum").item())
+
+    if cfg.validation.enabled and tc.init_from is not None and start == 0:
+        # A warm start is scored before its first step (step 0), so best/ never holds a head
+        # worse than the one the run started from (a K=4 fine-tune of a K=1 head can lose).
+        validate(0, rollout_depth(tc.stages, 0, max_steps, final_k))
     for step in range(start, max_steps):
         k = rollout_depth(tc.stages, step, max_steps, final_k)
         if window is not None and window.shape[0] != k:  # a stage boundary: log what it did
@@ -141,14 +159,7 @@ def train(cfg: TrainConfig) -> dict:
             micro = 0
         stop = False
         if cfg.validation.enabled and (done % tc.eval_every == 0 or done == max_steps):
-            head.cfg.num_steps = final_k  # validate and select the head as it will be saved
-            val, val_head = evaluate(validator, full, parts, acc)
-            head.cfg.num_steps = k
-            if val is not None:
-                logger.log({"step": done, **{f"val/{n}": v for n, v in val.items()}})
-                bar.write(validation_line(done, val))
-                stop = selection.update(done, seen, val, val_head)
-            stop = bool(acc.reduce(torch.tensor([float(stop)], device=acc.device), "sum").item())
+            stop = validate(done, k)
         if done % tc.save_every == 0 or done == max_steps or stop:  # a collective: every rank
             save_training_state(ck_root, done, full, sched, stream.position, shape, last)
         if stop:

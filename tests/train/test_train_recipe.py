@@ -133,9 +133,9 @@ def test_selection_keeps_the_best_real_tau_and_stops_on_patience(common, tmp_pat
     assert again.best["step"] == 20
 
 
-def test_training_stops_early_and_keeps_the_best_head(common, shards, tmp_path, monkeypatch,
-                                                      metrics):
-    taus = iter([1.1, 1.4, 1.3, 1.2, 1.9, 2.0])
+def fake_validator(taus):
+    """A Validator stand-in that reports the given real τ values in order."""
+    taus = iter(taus)
 
     class FakeValidator:
         def __init__(self, cfg):
@@ -145,7 +145,12 @@ def test_training_stops_early_and_keeps_the_best_head(common, shards, tmp_path, 
             return {"real_tau": next(taus), "real_per_position_accept_rate": [0.1],
                     "real_num_prompts": 1}
 
-    monkeypatch.setattr(loop, "Validator", FakeValidator)
+    return FakeValidator
+
+
+def test_training_stops_early_and_keeps_the_best_head(common, shards, tmp_path, monkeypatch,
+                                                      metrics):
+    monkeypatch.setattr(loop, "Validator", fake_validator([1.1, 1.4, 1.3, 1.2, 1.9, 2.0]))
     out = tmp_path / "o"
     loop.train(cfg_of(common, shards, out, "validation.enabled=true", "trainer.eval_every=2",
                       "trainer.max_steps=12", "trainer.early_stop_patience=2"))
@@ -154,3 +159,25 @@ def test_training_stops_early_and_keeps_the_best_head(common, shards, tmp_path, 
     assert json.loads((out / "config.json").read_text())["train"]["steps"] == 8
     best = json.loads((out / "checkpoints" / "best" / "config.json").read_text())
     assert best["selection"]["step"] == 4 and best["selection"]["value"] == 1.4
+
+
+def test_a_warm_start_is_scored_at_step_0_and_kept_when_training_loses(common, shards, tmp_path,
+                                                                        monkeypatch, metrics):
+    first = tmp_path / "first"
+    loop.train(cfg_of(common, shards, first, "trainer.max_steps=2"))
+    start = load_file(str(first / "model.safetensors"))
+    # the warm start, then two worse validations
+    monkeypatch.setattr(loop, "Validator", fake_validator([1.5, 1.2, 1.3]))
+    out = tmp_path / "o"
+    loop.train(cfg_of(common, shards, out, "validation.enabled=true", "trainer.eval_every=2",
+                      "trainer.max_steps=4", f"trainer.init_from={first}", "optim.lr=0.05"))
+    assert [m["step"] for m in metrics(out) if "val/real_tau" in m] == [0, 2, 4]
+    curve = json.loads((out / "acceptance_curve.json").read_text())["points"]
+    assert [(p["step"], p["train_tokens"]) for p in curve][0] == (0, 0)
+    best = json.loads((out / "checkpoints" / "best" / "config.json").read_text())
+    assert best["selection"]["step"] == 0
+    kept = load_file(str(out / "checkpoints" / "best" / "model.safetensors"))
+    final = load_file(str(out / "model.safetensors"))
+    assert not torch.equal(final["eh_proj.weight"], start["eh_proj.weight"])  # it did train
+    for k in start:
+        torch.testing.assert_close(kept[k].float(), start[k].float(), rtol=0, atol=0)
