@@ -19,21 +19,14 @@ from inference_eval.engine.sampling import SamplingParams
 from inference_eval.evaluation.config import DraftConfig
 from inference_eval.evaluation.engines import build_engine, frozen_parts_of
 from inference_eval.engine.speculative.spec_engine import SpecEngine
-from inference_eval.engine.target import TargetConfig, load_target
 from spec_stats import chi2_pvalue, first_two_counts, joint_first_two
+from engine_cases import load_tiny as _loaded, random_prompts
 
 CFG = dict(attention="torch", page_size=4)
 
 
-def _loaded(tiny_hf):
-    hf_dir, _ = tiny_hf("llama3")
-    return load_target(TargetConfig(name="llama3", source="hf", path=str(hf_dir)), with_tokenizer=False)
-
-
 def _prompts(k, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 320, (int(torch.randint(3, 20, (1,), generator=g)),),
-                          generator=g).tolist() for _ in range(k)]
+    return random_prompts(k, seed, 20, bos=None)
 
 
 def _chain(path, k, conf):

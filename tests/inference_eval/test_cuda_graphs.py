@@ -22,19 +22,13 @@ from inference_eval.engine.sampling import SamplingParams
 from inference_eval.engine.speculative.drafters import LLMDrafter
 from inference_eval.engine.speculative.spec_engine import SpecEngine
 from inference_eval.engine.target import TargetConfig, load_target
+from engine_cases import load_tiny as _loaded, random_prompts
 
 CFG = dict(page_size=4)
 
 
-def _loaded(tiny_hf):
-    hf_dir, _ = tiny_hf("llama3")
-    return load_target(TargetConfig(name="llama3", source="hf", path=str(hf_dir)), with_tokenizer=False)
-
-
 def _prompts(k, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    return [[1] + torch.randint(3, 320, (int(torch.randint(3, 20, (1,), generator=g)),),
-                                generator=g).tolist() for _ in range(k)]
+    return random_prompts(k, seed, 20)
 
 
 @pytest.fixture

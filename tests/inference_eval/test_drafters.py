@@ -26,20 +26,14 @@ from inference_eval.engine.speculative.tree_engine import TreeSpecEngine
 from inference_eval.engine.target import TargetConfig, load_target
 from inference_eval.evaluation.engines import build_engine, frozen_parts_of
 from inference_eval.evaluation.metrics import TurnOutput, per_position_accept_rate
+from engine_cases import load_tiny as _loaded, random_prompts
 
 SPEC = Path(__file__).resolve().parents[2] / "inference_eval" / "engine" / "speculative"
 CFG = dict(attention="torch", page_size=4)
 
 
-def _loaded(tiny_hf, family="llama3"):
-    hf_dir, _ = tiny_hf(family)
-    return load_target(TargetConfig(name=family, source="hf", path=str(hf_dir)), with_tokenizer=False)
-
-
 def _prompts(k=6, seed=21):
-    g = torch.Generator().manual_seed(seed)
-    return [[1] + torch.randint(3, 320, (int(torch.randint(3, 30, (1,), generator=g)),),
-                                generator=g).tolist() for _ in range(k)]
+    return random_prompts(k, seed, 30)
 
 
 def _ar(loaded, prompts, params, eos_ids=None):

@@ -17,17 +17,11 @@ from inference_eval.engine.speculative.spec_engine import SpecEngine
 from inference_eval.evaluation.engines import build_engine, frozen_parts_of
 from inference_eval.engine.target import TargetConfig, load_target
 from spec_stats import chi2_pvalue, first_two_counts, joint_first_two
-
-
-def _loaded(tiny_hf, family="llama3"):
-    hf_dir, _ = tiny_hf(family)
-    return load_target(TargetConfig(name=family, source="hf", path=str(hf_dir)), with_tokenizer=False)
+from engine_cases import load_tiny as _loaded, random_prompts
 
 
 def _prompts(k=6, seed=21):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 320, (int(torch.randint(3, 30, (1,), generator=g)),),
-                          generator=g).tolist() for _ in range(k)]
+    return random_prompts(k, seed, 30, bos=None)
 
 
 def _ar(loaded, prompts, params):

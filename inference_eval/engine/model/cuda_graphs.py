@@ -106,6 +106,7 @@ class CudaGraphs:
         self._wrappers: dict[tuple, object] = {}
         self._planned: dict[tuple, int] = {}  # wrapper key -> id of the plan it holds
         self.captures = self.replays = 0
+        self._pool = self._stream = None  # made with the first real CUDA graph
 
     # ---- the two kinds of step ---------------------------------------------------------
     def model_step(self, model: nn.Module, input_ids: torch.Tensor, ctx, cache,
@@ -193,7 +194,7 @@ class CudaGraphs:
     def _new_graph(self):
         if self._factory is not None:
             return self._factory()
-        if not hasattr(self, "_pool"):
+        if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream()
         return DeviceGraph(self._pool, self._stream)

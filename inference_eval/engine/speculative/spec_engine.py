@@ -248,12 +248,10 @@ class SpecEngine(LLMEngine):
                     ks[i] = s - 1
                 elif probs is not None:
                     qs[i].append(probs[j])
-            if all(sure):  # the usual case (no cut): no gather of the kept rows
-                dtok[torch.tensor(live, device=self.device), s - 1] = tok
-            elif any(sure):
-                kept = [j for j in range(len(live)) if sure[j]]
-                dtok[torch.tensor([live[j] for j in kept], device=self.device), s - 1] = \
-                    tok[torch.tensor(kept, device=self.device)]
+            kept = [j for j in range(len(live)) if sure[j]]
+            if kept:  # no cut (the usual case) writes tok as it is, without a gather
+                src = tok if len(kept) == len(live) else tok[torch.tensor(kept, device=self.device)]
+                dtok[torch.tensor([live[j] for j in kept], device=self.device), s - 1] = src
             nxt = [j for j, i in enumerate(live) if sure[j] and ks[i] > s]
             if not nxt:
                 break
