@@ -188,3 +188,39 @@ def test_latent_attention_through_the_kernel():
 ])
 def test_which_steps_use_the_kernel(layout, uses_kernel):
     assert (TorchAttentionBackend("cpu").plan(layout).paged is not None) == uses_kernel
+
+
+def _kernel_step(q, k, v, kc, vc, kv_len, mask=None):
+    """One request over the whole cache as consecutive pages: q [T, H, d]; k / v [T, kvh, d]
+    land at slots kv_len - T .. kv_len - 1; mask: a tree mask [T, T] over those slots."""
+    t = q.shape[0]
+    table = torch.arange(kc.shape[0] // PS).view(1, -1)
+    masks = None if mask is None else cpu_paged.tree_mask_tensors([mask])
+    return cpu_paged.paged_attention(q, k, v, torch.arange(kv_len - t, kv_len), kc, vc, table,
+                                     torch.tensor([0, t]), torch.tensor([kv_len]), PS, 2, masks)
+
+
+def test_a_row_attends_bit_for_bit_as_in_a_one_row_step():
+    # Lossless speculation rests on this: a verified row's attention must be the very floats
+    # the one-row decode step of that position computes, whichever rows beside it the step
+    # carries and, under a tree mask, however its ancestors sit between their siblings.
+    heads, kvh, d, ctx = 9, 3, 64, 37
+    g = torch.Generator().manual_seed(6)
+    kc, vc = (torch.randn(PAGES * PS, kvh, d, generator=g) for _ in range(2))
+    q, k, v = (torch.randn(13, n, d, generator=g) for n in (heads, kvh, kvh))
+    chain = _kernel_step(q[:5], k[:5], v[:5], kc, vc, ctx + 5)
+    for i in range(5):  # the cache holds rows 0..4 now; row i alone sees ctx + i + 1 keys
+        one = _kernel_step(q[i:i + 1], k[i:i + 1], v[i:i + 1], kc, vc, ctx + i + 1)
+        assert torch.equal(one[0], chain[i])
+    tree = _kernel_step(q, k, v, kc, vc, ctx + 13, TREE)
+    parents = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 7, 3, 5, 9]
+    for node in (4, 9, 12):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path = path[::-1]  # root .. node: the keys a chain of these tokens would hold
+        kc2, vc2 = kc.clone(), vc.clone()
+        kc2[ctx:ctx + len(path)], vc2[ctx:ctx + len(path)] = k[path], v[path]
+        n = ctx + len(path)
+        one = _kernel_step(q[node:node + 1], k[node:node + 1], v[node:node + 1], kc2, vc2, n)
+        assert torch.equal(one[0], tree[node])

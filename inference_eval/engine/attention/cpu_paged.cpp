@@ -6,70 +6,78 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SPECHEADS_AVX2 1
-#endif
-
 namespace {
 
-// s[g] = <q[g], k> for g < G; q rows D apart.
-inline void dots(const float* q, const float* k, int64_t G, int64_t D, float* s) {
-#ifdef SPECHEADS_AVX2
-  if (D % 8 == 0) {
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {  // four rows at a time share each k load
-      const int64_t gn = std::min<int64_t>(4, G - g0);
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                       _mm256_setzero_ps()};
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 kv = _mm256_loadu_ps(k + d);
-        for (int64_t g = 0; g < gn; ++g)
-          acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + g) * D + d), kv, acc[g]);
-      }
-      for (int64_t g = 0; g < gn; ++g) {
-        __m128 x = _mm_add_ps(_mm256_castps256_ps128(acc[g]), _mm256_extractf128_ps(acc[g], 1));
-        x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-        x = _mm_add_ss(x, _mm_movehdup_ps(x));
-        s[g0 + g] = _mm_cvtss_f32(x);
-      }
-    }
-    return;
-  }
-#endif
-  for (int64_t g = 0; g < G; ++g) {
-    float t = 0.f;
-    for (int64_t d = 0; d < D; ++d) t += q[g * D + d] * k[d];
-    s[g] = t;
-  }
-}
-
-// a[g] += p[g] * v for g < G; a rows D apart.
-inline void axpys(const float* p, const float* v, int64_t G, int64_t D, float* a) {
-#ifdef SPECHEADS_AVX2
-  if (D % 8 == 0) {
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 vv = _mm256_loadu_ps(v + d);
-      for (int64_t g = 0; g < G; ++g) {
-        float* ag = a + g * D + d;
-        _mm256_storeu_ps(ag, _mm256_fmadd_ps(_mm256_set1_ps(p[g]), vv, _mm256_loadu_ps(ag)));
-      }
-    }
-    return;
-  }
-#endif
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) a[g * D + d] += p[g] * v[d];
-}
-
 constexpr int64_t kAhead = 4;  // keys ahead whose rows are prefetched (pages sit anywhere)
+constexpr int KB = 8;          // keys per score block: reduce8 folds their 8 dot products at once
 
 inline void prefetch(const float* p, int64_t n) {
   for (int64_t x = 0; x < n; x += 16) __builtin_prefetch(p + x);
 }
+
+// D = DV * VW floats a row when DV > 0 (the common head dims, unrolled in registers); DV == 0:
+// any D, its whole vectors then a scalar tail.
+template <int DV>
+struct Rows {
+  static constexpr int RG = DV == 0 ? 1 : (DV >= 4 ? 16 / DV : 4);  // rows whose sums fit registers
+  // The dot products of query row q with key rows k[0 .. nk) (nk <= KB) -> s[c]: each a vector
+  // sum over whole vectors folded by reduce8, plus the scalar tail. Each key's fold is its own,
+  // whatever nk and the other keys are, so a score never depends on the step it is part of.
+  static inline vec8 dots(const float* q, const float* const* k, int nk, int64_t D) {
+    const int64_t nv = DV > 0 ? DV : D / VW;
+    vec acc[KB];
+    for (int c = 0; c < KB; ++c) {
+      acc[c] = vec{};
+      if (c < nk)
+        for (int64_t v = 0; v < nv; ++v) acc[c] += loadu(q + v * VW) * loadu(k[c] + v * VW);
+    }
+    vec8 s = reduce8(acc);
+    if constexpr (DV == 0)
+      for (int c = 0; c < nk; ++c)
+        for (int64_t d = nv * VW; d < D; ++d) s[c] += q[d] * k[c][d];
+    return s;
+  }
+
+  // a[g] = sum over keys j of p[g * Np + j] * v_j for the G rows of p (G <= RG),
+  // keys in order (a masked key's p is 0, which adds nothing: a row sums the same terms in
+  // the same order whichever keys beside them it cannot see), then o[g] = a[g] * inv[g].
+  // Value row j: v + slot[j] * stride (the kv head's offset already in v).
+  static inline void values(const float* p, int64_t Np, const float* v, const int64_t* slot,
+                            int64_t stride, int64_t n, int64_t D, int G, const float* inv,
+                            float* const* o) {
+    if constexpr (DV > 0) {
+      vec a[RG][DV] = {};
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vr = v + slot[j] * stride;
+        if (j + kAhead < n) prefetch(v + slot[j + kAhead] * stride, D);
+        for (int g = 0; g < RG; ++g) {
+          if (g >= G) break;
+          const vec pg = vec{} + p[g * Np + j];
+          for (int x = 0; x < DV; ++x) {
+            a[g][x] += pg * loadu(vr + x * VW);
+            asm("" : "+v"(a[g][x]));  // one add per key, never regrouped across keys
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int x = 0; x < DV; ++x) storeu(o[g] + x * VW, a[g][x] * inv[g]);
+    } else {
+      for (int g = 0; g < G; ++g) {  // any D: one row at a time, its sums in the output row
+        float* og = o[g];
+        std::fill_n(og, D, 0.f);
+        for (int64_t j = 0; j < n; ++j) {
+          const float pj = p[g * Np + j];
+          const float* vr = v + slot[j] * stride;
+          for (int64_t d = 0; d < D; ++d) og[d] += pj * vr[d];
+        }
+        for (int64_t d = 0; d < D; ++d) og[d] *= inv[g];
+      }
+    }
+  }
+};
 
 }  // namespace
 
@@ -126,83 +134,139 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
   const float sc = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  // A task is one request's kv heads [h0, h0 + hs): every head (hs = KVH) when there are
-  // requests enough to keep the threads busy, so each key and value row is read whole and
-  // in order; one kv head per task otherwise (batch 1 still splits over the threads).
+  // A task is some query rows of one request's kv heads [h0, h0 + hs): every head (hs = KVH)
+  // when there are requests enough to keep the threads busy, so each key and value row is
+  // read whole and in order; one kv head otherwise, its rows split into several tasks when
+  // even that leaves threads idle (batch 1: 3 kv heads on 2 threads). A row's result is its
+  // own (its scores, softmax and values never mix with another row's), so how rows are
+  // grouped into tasks, and which other rows a step carries, changes no bit.
   // `threads` is explicit (not torch's setting): engine steps keep torch at one thread
   // beside the BLAS, which left this kernel serial (a batch-64 decode step: 40 ms of 254).
   const int64_t hs = B >= 2 * threads ? KVH : 1;
-  const int64_t tasks = B * (KVH / hs);
-  const int64_t HS = hs * G;  // query heads per task and query row
-  auto slot_of = [&](int64_t b, int64_t j) {
-    return bt[b * P + j / page_size] * page_size + j % page_size;
-  };
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+  const int64_t pairs = B * (KVH / hs);
+  const int64_t HS = hs * G;  // rows per query position and task head group
+  struct Task { int64_t b, h0, r0, r1; };
+  std::vector<Task> tasks;
+  for (int64_t pr = 0; pr < pairs; ++pr) {
+    const int64_t b = pr / (KVH / hs), h0 = pr % (KVH / hs) * hs;
+    const int64_t R = (cu[b + 1] - cu[b]) * HS;
+    // Split: ~8 tasks a thread, each at least one position's G rows (every task reads its
+    // kv head's keys and values again: 1-row tasks measured slower on 2 threads than on 1).
+    const int64_t per = pairs >= 2 * threads
+                            ? R : std::max<int64_t>(G, (R * pairs + 8 * threads - 1) / (8 * threads));
+    for (int64_t r0 = 0; r0 < R; r0 += per) tasks.push_back({b, h0, r0, std::min(R, r0 + per)});
+  }
+  // Every request's key slots once, page by page (no division per key and task).
+  std::vector<int64_t> first(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + kl[b];
+  std::vector<int64_t> slot(first[B]);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < kl[b]; j += page_size) {
+      const int64_t base = bt[b * P + j / page_size] * page_size;
+      for (int64_t x = 0; x < std::min<int64_t>(page_size, kl[b] - j); ++x)
+        slot[first[b] + j + x] = base + x;
+    }
+  const int64_t stride = KVH * D;  // floats per cache slot
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks.size())));
+  auto run = [&](auto rows) {
+    using Rw = decltype(rows);
+    constexpr int RG = Rw::RG;
 #pragma omp parallel num_threads(nt)
-  {
-    std::vector<float> scores, acc, mx, sum;
-    // Tasks differ in length (each request's own history), so threads take them as they go.
+    {
+      std::vector<float> scores, inv;
+      // Tasks differ in length (each request's own history), so threads take them as they go.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t b = task / (KVH / hs), h0 = task % (KVH / hs) * hs;
-      const int64_t q0 = cu[b], nq = cu[b + 1] - cu[b], n = kl[b];
-      const int64_t mw = masked ? mwid[b] : 0;
-      // ctx: the keys every row sees (causal: the history before the step's rows; tree: the
-      // keys before the masked last mw).
-      const int64_t ctx = n - (mw > 0 ? mw : nq);
-      const uint8_t* tree = mw > 0 ? mbits + moff[b] : nullptr;
-      const int64_t R = nq * HS;  // row r = i * HS + (h - h0) * G + g
-      const int64_t Rp = (R + VW - 1) / VW * VW;  // rows padded to whole vectors
-      // scores[j * Rp + r]: key j's scores for every row, adjacent, so the softmax runs
-      // across rows in vectors; -inf where row r may not see key j.
-      scores.assign(n * Rp, 0.f);
-      acc.assign(R * D, 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const float* krow = kp + (slot_of(b, j) * KVH + h0) * D;
-        if (j + kAhead < n) prefetch(kp + (slot_of(b, j + kAhead) * KVH + h0) * D, hs * D);
-        for (int64_t i = tree ? 0 : std::max<int64_t>(0, j - ctx); i < nq; ++i)
-          for (int64_t h = 0; h < hs; ++h)
-            dots(qp + ((q0 + i) * H + (h0 + h) * G) * D, krow + h * D, G, D,
-                 scores.data() + j * Rp + i * HS + h * G);
-      }
-      for (int64_t j = ctx; j < n; ++j)  // causal: row i sees keys up to ctx + i
-        for (int64_t i = 0; i < nq; ++i)
-          if (tree ? tree[i * mw + j - ctx] == 0 : j > ctx + i)
-            std::fill_n(scores.data() + j * Rp + i * HS, HS, neg_inf);
-      // Softmax in base 2 over every key, VW rows at a time; 1 / sum is applied to the
-      // output rows instead of to every probability.
-      const float c = sc * 1.4426950408889634f;  // log2(e)
-      mx.assign(Rp, neg_inf);
-      sum.assign(Rp, 0.f);
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t r = 0; r < Rp; r += VW) {
-          const vec x = loadu(scores.data() + j * Rp + r), m = loadu(mx.data() + r);
-          storeu(mx.data() + r, x > m ? x : m);
+      for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
+        const auto [b, h0, r0, r1] = tasks[t];
+        const int64_t q0 = cu[b], n = kl[b], nq = cu[b + 1] - cu[b];
+        const int64_t mw = masked ? mwid[b] : 0;
+        // ctx: the keys every row sees (causal: the history before the step's rows; tree: the
+        // keys before the masked last mw).
+        const int64_t ctx = n - (mw > 0 ? mw : nq);
+        const uint8_t* tree = mw > 0 ? mbits + moff[b] : nullptr;
+        const int64_t R = r1 - r0;  // task row r is row r0 + r = i * HS + (h - h0) * G + g
+        const int64_t Np = (n + KB - 1) / KB * KB;  // a row's keys, padded to whole blocks
+        auto head_of = [&](int64_t r) { return (r0 + r) % HS / G; };
+        auto row_at = [&](auto* base, int64_t r) {  // q or out row of task row r
+          return base + ((q0 + (r0 + r) / HS) * H + h0 * G + (r0 + r) % HS) * D;
+        };
+        const int64_t* sl = slot.data() + first[b];
+        // scores[r * Np + j]: row r's score of key j, -inf where it may not see the key.
+        // Blocks of KB keys, every row against each (the block stays in L1).
+        scores.resize(R * Np);
+        for (int64_t j0 = 0; j0 < n; j0 += KB) {
+          const int nk = static_cast<int>(std::min<int64_t>(KB, n - j0));
+          for (int64_t j = j0 + KB; j < std::min(n, j0 + 2 * KB); ++j)
+            prefetch(kp + sl[j] * stride + h0 * D, hs * D);
+          const float* kr[KB];
+          int64_t kr_head = -1;
+          for (int64_t r = 0; r < R; ++r) {
+            if (head_of(r) != kr_head) {
+              kr_head = head_of(r);
+              for (int c = 0; c < nk; ++c) kr[c] = kp + sl[j0 + c] * stride + (h0 + kr_head) * D;
+            }
+            const vec8 s8 = Rw::dots(row_at(qp, r), kr, nk, D);
+            __builtin_memcpy(scores.data() + r * Np + j0, &s8, sizeof s8);
+          }
         }
-      for (float& m : mx) m = m == neg_inf ? 0.f : m;  // a row that sees no key: no NaN
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t r = 0; r < Rp; r += VW) {
-          float* sj = scores.data() + j * Rp + r;
-          const vec e = exp2v_nonpositive((loadu(sj) - loadu(mx.data() + r)) * c);
-          storeu(sj, e);
-          storeu(sum.data() + r, loadu(sum.data() + r) + e);
+        const float c = sc * 1.4426950408889634f;  // log2(e): the softmax runs in base 2
+        inv.resize(R);
+        for (int64_t r = 0; r < R; ++r) {
+          float* s = scores.data() + r * Np;
+          const int64_t i = (r0 + r) / HS;
+          // causal: row i sees keys up to ctx + i; a tree row its mask's keys after ctx.
+          for (int64_t j = ctx; j < Np; ++j)
+            if (j >= n || (tree ? tree[i * mw + j - ctx] == 0 : j > ctx + i)) s[j] = neg_inf;
+          vec m = vec{} + neg_inf;
+          for (int64_t j = 0; j < Np; j += VW) {  // Np may end half a vector past a block
+            vec x = vec{} + neg_inf;
+            __builtin_memcpy(&x, s + j, std::min<int64_t>(VW, Np - j) * sizeof(float));
+            m = x > m ? x : m;
+          }
+          float mr = neg_inf;
+          for (int l = 0; l < VW; ++l) mr = std::max(mr, m[l]);
+          mr = mr == neg_inf ? 0.f : mr;  // a row that sees no key: no NaN
+          for (int64_t j = 0; j < Np; j += VW) {
+            const int64_t w = std::min<int64_t>(VW, Np - j);
+            vec x = vec{} + neg_inf;
+            __builtin_memcpy(&x, s + j, w * sizeof(float));
+            const vec e = exp2v_nonpositive((x - mr) * c);
+            __builtin_memcpy(s + j, &e, w * sizeof(float));
+          }
         }
-      for (int64_t j = 0; j < n; ++j) {
-        const float* vrow = vp + (slot_of(b, j) * KVH + h0) * D;
-        if (j + kAhead < n) prefetch(vp + (slot_of(b, j + kAhead) * KVH + h0) * D, hs * D);
-        for (int64_t i = tree ? 0 : std::max<int64_t>(0, j - ctx); i < nq; ++i)
-          for (int64_t h = 0; h < hs; ++h)
-            axpys(scores.data() + j * Rp + i * HS + h * G, vrow + h * D, G, D,
-                  acc.data() + (i * HS + h * G) * D);
-      }
-      for (int64_t r = 0; r < R; ++r) {  // out row = acc row / sum (0 for a row seeing no key)
-        const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
-        const int64_t i = r / HS, hg = r % HS;
-        float* o = op + ((q0 + i) * H + h0 * G + hg) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
+        // Each row's sum adds its keys' weights in key order (a key it cannot see adds 0), so
+        // a tree row, whose keys sit between its siblings', sums exactly what the same row
+        // does in a plain causal step; RG rows at a time hide the adds' latency.
+        for (int64_t r = 0; r < R; r += RG) {
+          const int g = static_cast<int>(std::min<int64_t>(RG, R - r));
+          float t[RG] = {};
+          for (int64_t j = 0; j < n; ++j)
+            for (int x = 0; x < g; ++x) {
+              t[x] += scores[(r + x) * Np + j];
+              asm("" : "+x"(t[x]));  // in key order: never split into partial sums
+            }
+          for (int x = 0; x < g; ++x) inv[r + x] = t[x] > 0.f ? 1.f / t[x] : 0.f;  // 0: sees no key
+        }
+        // Values: runs of up to RG rows of one kv head, their sums in registers over all keys.
+        for (int64_t r = 0; r < R;) {
+          int g = 1;
+          while (g < RG && r + g < R && head_of(r + g) == head_of(r)) ++g;
+          float* o[RG];
+          for (int x = 0; x < g; ++x) o[x] = row_at(op, r + x);
+          Rw::values(scores.data() + r * Np, Np, vp + (h0 + head_of(r)) * D, sl, stride,
+                                  n, D, g, inv.data() + r, o);
+          r += g;
+        }
       }
     }
-  }
+  };
+  // Head dims of whole vectors run unrolled (SmolLM2 and Llama-1B 64, Llama-8B 128), others
+  // (MLA's latent rows) through the general code.
+  if (D == VW) run(Rows<1>{});
+  else if (D == 2 * VW) run(Rows<2>{});
+  else if (D == 4 * VW) run(Rows<4>{});
+  else if (D == 8 * VW) run(Rows<8>{});
+  else run(Rows<0>{});
   return out;
 }
 

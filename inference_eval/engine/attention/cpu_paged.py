@@ -9,6 +9,20 @@ SDPA's CPU kernel runs per (request, head) with a mask. Measured on the 2-core E
 per layer, for ~60 MFLOP. cpu_paged.cpp reads each key and value row once, straight from its
 page, for all query heads that share it, and touches no padding: 5.2 ms on that 1 thread,
 3.3 ms on 2 (SDPA alone on 2: 8.7 ms). It also appends the step's own rows to the cache.
+
+Inside a task (a request's kv head, or some of its query rows) each query row scores blocks
+of 8 keys at once (8 vector dot products folded together by reduce8, the products kernels'
+lane sum), takes its softmax over keys in vectors, and sums its value rows in registers, up
+to 4 rows sharing each value load. A row's sums run over its keys in key order, a key it may
+not see adding an exact 0, so a verified row (causal, or a tree node whose ancestors sit
+between their siblings) gets the floats of the one-row decode step at its position: greedy
+speculation stays lossless to the bit (tested). At batch 1 the rows of a kv head split into
+several tasks so that 3 kv heads keep 2 threads busy. SmolLM2's layer at 256 cached keys, 2
+threads (2-core EPYC): 1 row 23.5 -> 12.3 us, 5 rows 65 -> 40 us, 13 rows 163 -> 83 us
+against the loop before (a dot product and a horizontal sum per key and row, value sums in
+memory, softmax lanes over rows); in the engine, same process, interleaved: a compiled decode
+step 4.5% faster, verification of 2-5 rows 3-3.5%, a 13-node tree 10%.
+
 Its thread count is the backend's, passed in: inside engine steps torch's own is 1 wherever
 OpenBLAS runs products beside it (linear.openblas_threads).
 

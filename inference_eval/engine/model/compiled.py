@@ -56,16 +56,19 @@ def _cache_kernel_templates() -> None:
 _ACTIVE: list = []  # the StepContext of the step being run (a stack: heads run inside steps)
 
 
-@torch.library.custom_op("specheads::step_attend", mutates_args=())
-def step_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+def _step_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """The active step's attention (appends k/v to its cache): q [T, heads, d], k/v
     [T, kv_heads, d] -> [T, heads, d]."""
     return _ACTIVE[-1].attend(layer, q, k, v).contiguous()
 
 
-@step_attend.register_fake
-def _(q, k, v, layer):
-    return torch.empty_like(q)
+# A plain dispatcher op rather than torch.library.custom_op, whose wrapper cost ~4 us a call
+# (SmolLM2's decode attention through the op: 21.4 vs 17.0 us, measured), 30 calls a step.
+_LIB = torch.library.Library("specheads", "FRAGMENT")
+_LIB.define("step_attend(Tensor q, Tensor k, Tensor v, int layer) -> Tensor")
+_LIB.impl("step_attend", _step_attend, "CompositeExplicitAutograd")
+torch.library.register_fake("specheads::step_attend")(lambda q, k, v, layer: torch.empty_like(q))
+step_attend = torch.ops.specheads.step_attend
 
 
 class _GraphContext:
