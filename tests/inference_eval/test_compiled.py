@@ -69,6 +69,20 @@ def test_compiled_greedy_generation_equals_eager(compiled_pair):
     assert [r.token_ids for r in eng.generate(prompts, params, progress=False)] == ref
 
 
+def test_engine_steps_after_warm_compile_nothing(compiled_pair):
+    # Steps check only the guards telling row counts apart (compiled._checking_only_row_guards);
+    # an engine's own steps must match what warm compiled, so a timed run never compiles.
+    from torch._dynamo.utils import counters
+
+    _, comp = compiled_pair
+    before = dict(counters["stats"])
+    eng = LLMEngine(comp.model, None, EngineConfig(compile=True, **CFG))
+    eng.generate(_prompts(3, seed=7), SamplingParams(max_new_tokens=6, ignore_eos=True),
+                 progress=False)
+    assert counters["stats"]["unique_graphs"] == before.get("unique_graphs", 0)
+    assert counters["stats"]["calls_captured"] == before.get("calls_captured", 0)
+
+
 def test_compiled_speculative_rounds_accept_and_stay_lossless(compiled_pair):
     """Self-drafting (the target is its own draft) accepts every draft: K=2 rounds verify 3
     rows through the compiled graph; output equals autoregressive decoding."""

@@ -25,6 +25,7 @@ Applies to dense GQA architectures (the Llama family); MLA and MoE layers run ea
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Iterable, Sequence
 
@@ -36,11 +37,15 @@ from inference_eval.engine.attention.layout import BatchLayout
 from inference_eval.engine.attention.torch_backend import TorchAttentionPlan
 from inference_eval.engine.threads import torch_threads
 
-# Inductor settings, applied around every call (a compile happens lazily inside one; passed
-# as torch.compile(options=...) freezing is not applied): freezing turns weights into
+# Inductor settings, applied around the calls of `warm` (a compile happens lazily inside one;
+# passed as torch.compile(options=...) freezing is not applied): freezing turns weights into
 # constants it may pre-pack, max_autotune with the CPP backend alone selects its GEMM
 # template without benchmarking alternatives (seconds per shape in every compile).
-INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP",
+                   # A size/stride and an alignment check after each of a step's ~150 external
+                   # calls (products, attention): ~0.1 ms a SmolLM2 step (cProfile of an eval)
+                   # for shapes the graph fixes.
+                   "size_asserts": False, "alignment_asserts": False}
 
 def _cache_kernel_templates() -> None:
     """Inductor re-parses the same jinja source for every GEMM it renders (~120 per SmolLM2
@@ -51,6 +56,31 @@ def _cache_kernel_templates() -> None:
     f = KernelTemplate.__dict__.get("_template_from_string")
     if isinstance(f, staticmethod) and not hasattr(f.__func__, "cache_info"):
         KernelTemplate._template_from_string = staticmethod(functools.lru_cache(maxsize=None)(f.__func__))
+
+
+try:  # torch.compiler.set_stance's own hook (its public context manager costs ~50 us to enter)
+    from torch._dynamo.eval_frame import DynamoStance as _Stance, _set_stance as _SET_STANCE
+
+    _ROW_GUARDS_ONLY = _Stance("default", skip_guard_eval_unsafe=True)
+except ImportError:  # a torch without it: every guard is checked
+    _SET_STANCE = _ROW_GUARDS_ONLY = None
+
+
+@contextlib.contextmanager
+def _checking_only_row_guards():
+    """Dynamo checks only the guards that tell this code's compiled graphs apart (their row
+    counts) instead of all of them (each global and module attribute the step reads, for each
+    cached graph in turn: ~65 us of a SmolLM2 step, a twentieth of a draft step): the graphs'
+    weights are frozen constants and nothing they read changes after `warm`. What
+    torch.compiler.set_stance(skip_guard_eval_unsafe=True) does, at ~1 us."""
+    if _SET_STANCE is None:
+        yield
+        return
+    prior = _SET_STANCE(_ROW_GUARDS_ONLY)
+    try:
+        yield
+    finally:
+        _SET_STANCE(prior)
 
 
 _ACTIVE: list = []  # the StepContext of the step being run (a stack: heads run inside steps)
@@ -159,7 +189,7 @@ class _RowCompiled:
         """Whether a step of this many rows runs compiled: warmed, and inference (no grad)."""
         return (variant, num_tokens) in self.rows and not torch.is_grad_enabled()
 
-    def _run(self, variant: tuple[int, ...], ctx, *args):
+    def _run(self, variant: tuple[int, ...], ctx, *args, compiling: bool = False):
         fn = self._fns.get(variant)
         if fn is None:
             # Dynamo's guards on every module attribute cost ~1 ms per call here (a third of
@@ -170,6 +200,16 @@ class _RowCompiled:
                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         _ACTIVE.append(ctx)
         try:
+            if not compiling:
+                try:
+                    with torch_threads(self.threads), _checking_only_row_guards():
+                        return fn(*args, ctx.cos, ctx.sin)
+                except RuntimeError as exc:  # raised at the guards, before the graph ran
+                    if "skip_guard_eval_unsafe" not in str(exc):
+                        raise
+                    # Inputs unlike warm's (tensors made outside inference mode): compiled
+                    # for them below, as dynamo would have done checking every guard.
+            # The settings matter only where inductor compiles; patching them costs ~24 us.
             with torch_threads(self.threads), inductor_config.patch(INDUCTOR_CONFIG):
                 return fn(*args, ctx.cos, ctx.sin)
         finally:
@@ -187,7 +227,8 @@ class _RowCompiled:
                     continue
                 plan = TorchAttentionPlan(BatchLayout.packed([t]), m.lm_head_weight.device)
                 ctx = StepContext(m.rope_cos[plan.positions], m.rope_sin[plan.positions], plan, None)
-                self._run(variant, ctx, *self._example(t, plan.positions.device, variant))
+                self._run(variant, ctx, *self._example(t, plan.positions.device, variant),
+                          compiling=True)
                 self.rows.add((variant, t))
 
     def _example(self, t: int, device, variant) -> tuple[torch.Tensor, ...]:
