@@ -4,6 +4,8 @@ product; it is used exactly where applies() says (up to the row count that won t
 against OpenBLAS), in eager steps and inside compiled graphs."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -136,3 +138,23 @@ def test_compiled_graph_calls_the_kernel(width):
             str(n.target) for n in gm.graph.nodes) or gm)(x)
     assert torch.equal(got, eager)
     assert any("small_linear" in op for op in graph_ops)
+
+
+def test_race_times_each_path_after_its_first_calls(monkeypatch):
+    # A path whose first calls are slow (its threads starting, the clock ramping up after a
+    # build) must not lose the race for them: that verdict is kept for the build and once
+    # sent every prefill product to the slower path.
+    calls = []
+
+    class SlowStart:
+        def small_linear(self, x, w, bias, threads):
+            calls.append(1)
+            if len(calls) <= len(cases):  # the first call of each case
+                time.sleep(0.05)
+            return x @ w.t()
+
+    cases = {m: [(torch.randn(m, 32), torch.randn(16, 32))] for m in cpu_linear.RACE_ROWS}
+    monkeypatch.setattr(cpu_linear, "kernel", lambda: SlowStart())
+    secs = cpu_linear.time_paths(cases, reps=3)
+    assert max(secs["kernel"].values()) < 0.04
+    assert len(calls) == len(cases) * 4  # one untimed, then three timed, per case
