@@ -11,6 +11,14 @@
 
 namespace {
 
+// Keeps a value in its register as is: the compiler may not regroup the adds around it
+// (-fassociative-math would otherwise split a key-order sum into partial sums).
+#if defined(__x86_64__) || defined(__i386__)
+#define PIN(x) asm("" : "+v"(x))
+#else
+#define PIN(x) asm("" : "+w"(x))  // AArch64: a SIMD / FP register
+#endif
+
 constexpr int64_t kAhead = 4;  // keys ahead whose rows are prefetched (pages sit anywhere)
 constexpr int KB = 8;          // keys per score block: reduce8 folds their 8 dot products at once
 
@@ -58,7 +66,7 @@ struct Rows {
           const vec pg = vec{} + p[g * Np + j];
           for (int x = 0; x < DV; ++x) {
             a[g][x] += pg * loadu(vr + x * VW);
-            asm("" : "+v"(a[g][x]));  // one add per key, never regrouped across keys
+            PIN(a[g][x]);  // one add per key, never regrouped across keys
           }
         }
       }
@@ -243,7 +251,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
           for (int64_t j = 0; j < n; ++j)
             for (int x = 0; x < g; ++x) {
               t[x] += scores[(r + x) * Np + j];
-              asm("" : "+x"(t[x]));  // in key order: never split into partial sums
+              PIN(t[x]);  // in key order: never split into partial sums
             }
           for (int x = 0; x < g; ++x) inv[r + x] = t[x] > 0.f ? 1.f / t[x] : 0.f;  // 0: sees no key
         }
@@ -253,8 +261,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
           while (g < RG && r + g < R && head_of(r + g) == head_of(r)) ++g;
           float* o[RG];
           for (int x = 0; x < g; ++x) o[x] = row_at(op, r + x);
-          Rw::values(scores.data() + r * Np, Np, vp + (h0 + head_of(r)) * D, sl, stride,
-                                  n, D, g, inv.data() + r, o);
+          Rw::values(scores.data() + r * Np, Np, vp + (h0 + head_of(r)) * D, sl, stride, n, D,
+                     g, inv.data() + r, o);
           r += g;
         }
       }
