@@ -26,6 +26,13 @@ inline void prefetch(const float* p, int64_t n) {
   for (int64_t x = 0; x < n; x += 16) __builtin_prefetch(p + x);
 }
 
+// The first w <= VW floats at p as a vector, -inf past them (a row's last, partial vector).
+inline vec load_head(const float* p, int64_t w) {
+  vec x = vec{} - std::numeric_limits<float>::infinity();
+  __builtin_memcpy(&x, p, w * sizeof(float));
+  return x;
+}
+
 // D = DV * VW floats a row when DV > 0 (the common head dims, unrolled in registers); DV == 0:
 // any D, its whole vectors then a scalar tail.
 template <int DV>
@@ -227,8 +234,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
             if (j >= n || (tree ? tree[i * mw + j - ctx] == 0 : j > ctx + i)) s[j] = neg_inf;
           vec m = vec{} + neg_inf;
           for (int64_t j = 0; j < Np; j += VW) {  // Np may end half a vector past a block
-            vec x = vec{} + neg_inf;
-            __builtin_memcpy(&x, s + j, std::min<int64_t>(VW, Np - j) * sizeof(float));
+            const vec x = load_head(s + j, std::min<int64_t>(VW, Np - j));
             m = x > m ? x : m;
           }
           float mr = neg_inf;
@@ -236,9 +242,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
           mr = mr == neg_inf ? 0.f : mr;  // a row that sees no key: no NaN
           for (int64_t j = 0; j < Np; j += VW) {
             const int64_t w = std::min<int64_t>(VW, Np - j);
-            vec x = vec{} + neg_inf;
-            __builtin_memcpy(&x, s + j, w * sizeof(float));
-            const vec e = exp2v_nonpositive((x - mr) * c);
+            const vec e = exp2v_nonpositive((load_head(s + j, w) - mr) * c);
             __builtin_memcpy(s + j, &e, w * sizeof(float));
           }
         }
