@@ -3,7 +3,7 @@
 Training data (train/data.py) and validation (train/validate.py) build it; the rollout and the
 objective (heads/rollout.py, heads/objective.py) read it. S conversations are packed end to
 end into one token axis of N rows; `seq_lens` says where each one ends, and no head step may
-read across that boundary (ARCHITECTURE: Hidden-state convention and alignment).
+read across that boundary (the alignment table in heads/rollout.py).
 """
 from __future__ import annotations
 

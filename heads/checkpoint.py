@@ -1,4 +1,4 @@
-"""Head checkpoints, the public entry (ARCHITECTURE: Head checkpoints): save_head writes our
+"""Head checkpoints, the public entry (docs/export.md): save_head writes our
 format, read_head_config and load_head read a head directory in any format we know.
 
 Our format (config.json + model.safetensors with the trainable weights only, never pickle)

@@ -6,7 +6,7 @@ q_v)], and the CONDITIONAL rates the engine measures: α_k = P(step k's draft = 
 argmax | steps 1..k-1 matched at the same position), the sampled analogue weighting each row by
 its chain's survival probability Π_{j<k} Σ min(p, q). The expected mean accepted length
 τ_exp = 1 + Σ_k Π_{j<=k} α_j (bonus token included) uses the conditional rates, the same
-definition as the engine's real τ (ARCHITECTURE: Metrics), and is reported beside, never
+definition as the engine's real τ (docs/evaluation.md), and is reported beside, never
 instead of, the measured τ. A step that is invalid at a position (past its sequence, or a
 non-assistant label) ends that position's chain.
 

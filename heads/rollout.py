@@ -1,4 +1,5 @@
-"""Multi-step training rollout, exactly per ARCHITECTURE's alignment table.
+"""Multi-step training rollout. The alignment table below is the contract every head step, the
+shards and the engine's head drafter share (tests/heads/test_heads.py asserts it).
 
 Step k (1-based) at position t of a packed sequence (local index i, length n):
   hidden input: h_t from the target (k = 1) or the head's step k-1 output at t

@@ -1,4 +1,4 @@
-"""`manifest.json`: what a shard directory holds and how it was made (ARCHITECTURE: Shards).
+"""`manifest.json`: what a shard directory holds and how it was made (docs/data.md).
 
 Written once, atomically, when every planned shard is on disk (`complete` true). While a run
 is in flight each rank records its finished shards in `.progress.rank<r>.json` (same

@@ -1,6 +1,6 @@
 """Shard files: one safetensors file per shard, written atomically, verified on load.
 
-Tensors (ARCHITECTURE: Shards): input_ids int32 [N], loss_mask uint8 [N], hidden [N, H]
+Tensors (docs/data.md): input_ids int32 [N], loss_mask uint8 [N], hidden [N, H]
 (bf16 by default; fp8 e4m3 with hidden_scale fp32 [N] as an option), optional aux_hidden
 [N, A, H], cu_seqlens int64 [S+1]. N tokens of S packed sequences.
 """

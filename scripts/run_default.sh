@@ -27,27 +27,14 @@
 #   DATA=distill    the target answers the default prompt mix itself first (on-policy text)
 #   DATA=both       both, trained together (data.shards='a,b')
 #   quick (default) DATA=sharegpt, 80 conversations (65 kept, 42k tokens), 150 steps, K=2,
-#                   1 prompt per category (12); 3-5 min on 2 CPU cores (4m43s with 3 eval
-#                   passes on the EPYC of 2026-12-04: lookup 1.17x, head behind lookup 1.14x;
-#                   EPYC, Xeon:
-#                   2m57s there with the block-coded products; 8m50s on an AVX2-only
-#                   EPYC before setup built the kernels), measured.
+#                   1 prompt per category (12); 3-5 min on 2 CPU cores.
 #   long            DATA=distill: 3000 prompts answered (160 tokens, batches of 64),
 #                   1500 steps at K=1, then 300 steps of a K=4 rollout from the best of them
 #                   (~15 min more), chains of K=1, 2, 4, an EAGLE-2 tree and lookup (the
 #                   distilled answers as its corpus) on 2 prompts per category (the
 #                   target's own greedy text is what greedy evaluation scores: ShareGPT's
-#                   text raised held-out ShareGPT top-1, not real τ); 53m on the EPYC of
-#                   2026-12-04 (one eval pass; lookup 1.15x, head behind lookup 1.06x
-#                   over 3 passes: README "Lookup drafting");
-#                   1h15m on a 2-core EPYC (Zen 4) on 2026-12-04 with the Q8_0 head
-#                   (K=1 τ 1.379 0.98x, K=2 τ 1.476 0.96x; distillation there 216 tok/s);
-#                   59m on a 2-core Xeon with the block-coded products (the same τ, every
-#                   run faster, K=2 at 0.89x of the faster baseline); 1h09m on the 2-core
-#                   EPYC before (K=4 τ 1.51, K=2 τ 1.48 at 1.04x), 1h21m on a
-#                   2-core Xeon before batched decoding got 2x faster (K=2 at 1.13x there;
-#                   README "Where acceptance stands"). PROMPTS_N=1500 STEPS=1000, the earlier default:
-#                   1h45m on the EPYC then, K=4 τ 1.43.
+#                   text raised held-out ShareGPT top-1, not real τ); about an hour on 2
+#                   CPU cores. Both presets' latest figures: docs/benchmarks.md.
 #   gpu             DATA=distill, 16k prompts, 512-token answers, 6000 steps x 16k tokens,
 #                   bf16, chain K=4 and the EAGLE-2 tree at batch 8: for one GPU.
 set -euo pipefail
@@ -72,8 +59,8 @@ case "$DATA" in sharegpt|distill|both) ;; *) echo "DATA=$DATA: use sharegpt, dis
 [ "$DATA" = sharegpt ] || [ "$PROMPTS_N" -gt 0 ] || PROMPTS_N=96
 [ "$DATA" = distill ] || [ "$ORIG_N" -gt 0 ] || ORIG_N=80
 extra=(); eval_bs=1; gen_bs=64; kv_gb=2
-# The recipe study (README) picked the 8192-token draft vocabulary at CPU budgets; on a GPU
-# budget add, e.g., "trainer.stages=[{num_steps:1,fraction:0.3},{num_steps:4,fraction:0.7}]".
+# The 8192-token draft vocabulary won the recipe study at CPU budgets; on a GPU budget add,
+# e.g., "trainer.stages=[{num_steps:1,fraction:0.3},{num_steps:4,fraction:0.7}]".
 recipe=(head.draft_vocab_size=8192)
 H="$OUT/head"
 shards=()
@@ -104,9 +91,9 @@ $PY -m train "${common[@]}" output_dir="$H" trainer.max_steps="$STEPS" optim.lr=
     trainer.save_every="$evals" trainer.eval_every="$evals"
 ck="$H/checkpoints/best"
 # The staged schedule's second stage (TTT_STEPS > 0): from the best K=1 head, a K-step
-# rollout, so the head trains on its own drafts as a K chain reads them (long preset, 2026-12-04:
-# 300 steps, ~15 min, moved real τ at K=4 from 1.504 to 1.592, α_3 0.32 -> 0.52; README "Where
-# acceptance stands"). Its step-0 validation scores the K=1 head, so best/ stays that head
+# rollout, so the head trains on its own drafts as a K chain reads them (on the long preset its
+# 300 steps, ~15 min, moved real τ at K=4 from 1.50 to 1.59 and α_3 from 0.32 to 0.52:
+# docs/acceptance.md). Its step-0 validation scores the K=1 head, so best/ stays that head
 # if the rollout does not beat it.
 if [ "$TTT_STEPS" -gt 0 ]; then
   tevals=$(( TTT_STEPS / 3 > 0 ? TTT_STEPS / 3 : 1 ))
@@ -115,7 +102,7 @@ if [ "$TTT_STEPS" -gt 0 ]; then
       trainer.save_every="$tevals" trainer.eval_every="$tevals"
   H="$OUT/head_ttt"; ck="$H/checkpoints/best"
 fi
-# The head behind n-gram lookup (README "Lookup drafting"): lookup drafts up to 4 tokens where
+# The head behind n-gram lookup (docs/evaluation.md): lookup drafts up to 4 tokens where
 # the request's own context or the corpus knows a continuation, the head 1 token elsewhere.
 # The corpus is the target's own answers (the distilled shards); ShareGPT's text is not the
 # target's and did not pay as a corpus, so without distillation lookup reads the context only.

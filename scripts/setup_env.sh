@@ -34,9 +34,13 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup done"
 fi
 # The engine's CPU kernels, all at once (~45 s on 2 cores, once per machine and kernel
-# change); a run would otherwise build them one by one on first use (~2 minutes).
+# change); a run would otherwise build them one by one on first use (~2 minutes). The stamp
+# carries the kernels' instruction-set key (engine/native.py), so a venv copied to a machine
+# with another instruction set builds its own kernels here too.
 kstamp=.venv/.specheads-kernels
-kwant="$(cat inference_eval/engine/*.h inference_eval/engine/*/*.cpp | sha256sum | cut -c1-16) $want"
+kkey=$(.venv/bin/python -m inference_eval.engine.native --key 2>/dev/null || echo unknown)
+ksrc=$(cat inference_eval/engine/*.h inference_eval/engine/*/*.cpp | sha256sum | cut -c1-16)
+kwant="$ksrc $kkey $want"
 if [ ! -f "$kstamp" ] || [ "$(cat "$kstamp")" != "$kwant" ]; then
   .venv/bin/python -m inference_eval.engine.native && echo "$kwant" > "$kstamp"
 fi

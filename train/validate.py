@@ -5,7 +5,7 @@ rollout runs on them (all K steps), and step 1 additionally runs through the eng
 KV-cache attention, the path serving uses. On the first user turns of a few of those
 conversations the head then drafts for real (inference_eval's speculative engine, greedy, a
 chain of K drafts), which gives the measured τ and α_k beside the teacher-forced expectations
-(ARCHITECTURE: Metrics), so differences between training and serving numerics show up.
+(docs/evaluation.md), so differences between training and serving numerics show up.
 
 The loop owns one Validator (target and data are loaded once) and calls it on rank 0.
 """

@@ -11,7 +11,7 @@ DeepSeek-V3 (vLLM `DeepSeekMTP` reads layer L onward). eh_proj takes [enorm(E(x)
 in that order; shared_head.norm is our final_norm. embed_tokens and shared_head.head are the
 target's own tensors: DeepSeek checkpoints store a copy per MTP layer and loaders expect it.
 
-Hidden input: our mtp head is trained on the target's PRE-final-norm state h_t (ARCHITECTURE),
+Hidden input: our mtp head is trained on the target's PRE-final-norm state h_t (what shards store),
 while vLLM/SGLang hand MTP layers the target's post-norm output; the config records
 `specheads_mtp.hidden_input` so a serving stack can feed the right one.
 """

@@ -1,4 +1,4 @@
-"""Our own head checkpoint format, `specheads-head-v1` (ARCHITECTURE: Head checkpoints), and
+"""Our own head checkpoint format, `specheads-head-v1` (docs/export.md), and
 building a head from trainable tensors in our parameter names.
 
     config.json        {"format": "specheads-head-v1", "head": HeadConfig fields,

@@ -53,7 +53,8 @@ class DraftConfig:
     total_tokens: int = 60
     llm: TargetConfig | None = None
     # Head chains: the head catches up on the verify pass's layout before the host learns the
-    # accepted length (the write-up's MTP round; see engine/speculative/drafters.py).
+    # accepted length, so a round needs no device-to-host read before the next draft
+    # (engine/speculative/drafters.py).
     sync_free: bool = False
     lookup: bool = False
     lookup_corpus: str | None = None

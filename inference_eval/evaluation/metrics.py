@@ -1,7 +1,8 @@
 """Acceptance metrics from generation outputs (pure functions, no I/O).
 
 Inputs are `TurnOutput`s: one per (prompt, turn), carrying the engine's per-step meta
-(`proposed[s]`, `accepted[s]` for every target step s). Names follow ARCHITECTURE.md:
+(`proposed[s]`, `accepted[s]` for every target step s). Names and definitions are the ones
+docs/evaluation.md gives:
 
 - mean_accept_len τ = tokens emitted per verification round, bonus token included (AR:
   exactly 1): (generated tokens - prefill steps) / (target steps - prefill steps), since a

@@ -17,7 +17,8 @@ report.json (format_version 1):
               lossless_check {compared, mismatched, mismatches} (null unless greedy),
               by_category {category: summary}, errors [{id, turn, error}]
     primary:  name of the run whose keys are repeated at the top level: the first draft run,
-              or the baseline when no draft ran (ARCHITECTURE.md's report keys).
+              or the baseline when no draft ran, so report.json carries every key of
+              docs/evaluation.md at its top level whatever the runs were.
 """
 from __future__ import annotations
 

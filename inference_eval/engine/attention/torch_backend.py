@@ -31,10 +31,9 @@ cpu_paged.TREE_Q under a tree mask: EAGLE-2 verification and draft-tree levels) 
 the above: cpu_paged's kernel reads each request's keys and values
 once from its pages, with no gather, padding or mask (cpu_paged.py has the measurements).
 That includes one request verifying a chain, which used to keep SDPA over its contiguous
-span: since the kernel takes its own thread count, it is faster there too (bench_spec, the
-2-core Xeon, batch 1, 256 cached tokens: verifying 2 / 3 / 4 / 5 tokens 29.0 / 30.3 / 31.7 /
-32.5 ms with SDPA, 27.1 / 28.7 / 30.6 / 31.8 with the kernel). Other dtypes fall back to
-the general path.
+span: since the kernel takes its own thread count, it is faster there too (bench_spec at
+batch 1 with 256 cached tokens: 1-2 ms of a ~30 ms verification step). Other dtypes fall back
+to the general path.
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 One `ModelArch` describes every family we run: the Llama family (Llama 2/3, SmolLM2,
 Mistral, Qwen2/2.5, Qwen3) and DeepSeek-V2/V3. Families differ only in flags (qkv bias, q/k
 norm, rope scaling, tied embeddings, latent attention, mixture of experts), never in model
-code (STYLE 7). The DeepSeek fields default to "off", so a Llama arch is unchanged.
+code: per-family copies of a model drift apart, one layer fixed once serves them all. The
+DeepSeek fields default to "off", so a Llama arch is unchanged.
 """
 from __future__ import annotations
 

@@ -4,42 +4,22 @@ A batch-1 decode step pushes one row through every weight (SmolLM2: 540 MB a ste
 verification K + 1 rows, a small decode batch B rows: at these row counts a product is a
 weight stream, and 5 rows should cost about what 1 does. The kernel keeps a tile of 3 rows x
 8 outputs in registers (AVX-512; 1 x 8 with AVX2) so each weight vector loaded from memory
-feeds every row of the tile, and splits the weight's rows between threads. Measured with
-scripts/bench_gemm.py on the 2-core EPYC (AVX-512), a whole SmolLM2 step's products (30
-layers' weights and the lm_head), ms:
+feeds every row of the tile, and splits the weight's rows between threads; it prefetches
+the weight blocks ahead of the tiles (cpu_linear.cpp), since the stream, not the arithmetic,
+sets the time. Figures: docs/benchmarks.md (scripts/bench_gemm.py, a whole SmolLM2 step's
+products against OpenBLAS GEMV and GEMM, MKL and oneDNN).
 
-    rows              1      2      5      8     16
-    kernel         12.3   15.5   17.6   21.1   27.1
-    OpenBLAS GEMV  24.2   29.1   50.4   76.6  136.2   (one per row: the path it replaces)
-    OpenBLAS GEMM  34.8   79.0   89.2   73.8   88.8
-    oneDNN         19.5   17.6   16.6   19.8   24.5   (weight reordered for each row count)
-    MKL            38.1   69.8   55.0   59.0   73.3
-
-On a 2-core Xeon (AVX-512, AMX; 2026-12-02), same script, after the kernel learned to
-prefetch the weight blocks ahead of it (cpu_linear.cpp), ms:
-
-    rows              1      2      3      5      8     16
-    kernel         19.1   20.1   21.2   21.2   25.0   35.0   (without the prefetch, an
-                                                              earlier run: 18.1 21.1 23.5 24.2 27.5 36.9)
-    MKL            21.4   24.2   26.7   41.4   51.9   54.9
-    oneDNN         30.1   27.7   29.2   30.2   33.9   41.0
-
-The same EPYC in a later session, after each tile of a block took its share of the prefetch
-(cpu_linear.cpp), ms:
-
-    rows              1      2      3      5      8     16
-    kernel         15.7   15.4   17.0   16.7   18.6   21.6
-    oneDNN         18.3   15.7   17.9   16.2   20.1   22.9
-
-oneDNN ties it from 4 rows on but is 1.6x slower for one row, the batch-1 decode step, and
-wants its weights re-laid-out per row count; inductor's CPU GEMM template (compiled.py) ties
-it at 1-4 rows and takes a second pass over the weights from 5.
+Why not a library: a BLAS GEMV per row (the path this replaces) streams the weight once per
+row, so 5 rows cost ~2x and 16 rows ~5x what 1 does; OpenBLAS's GEMM and MKL are tuned for
+large products and lose to it at every count from 1 to 16 rows; oneDNN ties it from about 4
+rows on but is 1.2-1.6x slower for one row, the batch-1 decode step, and wants its weights
+re-laid-out per row count; inductor's CPU GEMM template (compiled.py) ties it at 1-4 rows and
+takes a second pass over the weights from 5.
 
 Past a few rows the same tiles are compute-bound, and chunks of 128 rows (x stays in L2
-while every block of the weight reads it) kept the kernel ahead of OpenBLAS on the EPYC at
-every size measured, 48 to 4096 rows (scripts/bench_precompute.py's roofline: 345 vs 210
-GFLOP/s at 4096 rows on one SmolLM2 layer). On machines where OpenBLAS is faster there
-(the 2-core Xeon's ran 280 GFLOP/s at 2048 rows), max_rows() keeps it for the larger sizes.
+while every block of the weight reads it) kept the kernel ahead of OpenBLAS on an AVX-512
+EPYC at every size measured, 48 to 4096 rows (scripts/bench_precompute.py's roofline). On
+machines where OpenBLAS is faster there, max_rows() keeps it for the larger sizes.
 
 The engine uses it for CPU fp32 inference products of up to max_rows() rows
 (linear.matmul_wt), eager steps and compiled ones alike (in a compiled graph through the op

@@ -11,14 +11,10 @@ product is exact, so the model computes with the same fp32 weights, from a 4-5x 
 stream. A weight with no exact code (a bf16 or fp32 checkpoint, another quantization) keeps
 cpu_linear's path.
 
-A whole SmolLM2 step's products (its real weights; 2-core Xeon, 2 threads), ms:
-
-    rows              1      3      5      8     13     16
-    from the code   7.4    8.4   15.3   19.3   26.3   30.1
-    fp32 kernel    19.8   23.6   22.3   24.8   28.5   30.4   (cpu_linear)
-
-(EPYC Zen 4, 2026-12-04, after the wide tiles: 1 / 4 / 5 / 8 rows 7.6-8.4 / 11.2 / 12.6 /
-18.5 ms.) Up to 6 rows (AVX-512; 1 with AVX2) each weight vector is decoded in registers once
+Measured on a whole SmolLM2 step's products (figures: docs/benchmarks.md, bench_gemm.py), the
+shorter stream makes a batch-1 step about 2.5x faster than the fp32 kernel's, and the gain
+shrinks with the rows until both are compute-bound at ~16. Up to 6 rows (AVX-512; 1 with
+AVX2) each weight vector is decoded in registers once
 for all rows (4-6 rows as two tiles of 4 outputs); more rows decode a block of 8 weight rows
 once into an L1/L2 scratch that the fp32 tiles then read, so from ~16 rows on the products
 are compute-bound either way. `code_weights` rounds a draft head's trained weights to a code

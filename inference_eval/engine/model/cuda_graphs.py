@@ -1,7 +1,7 @@
 """CUDA graphs of the engine's small GPU steps: decode, chain verification, draft steps.
 
 At batch 1 a small model's GPU step is host work, not arithmetic: SmolLM2's step issues ~15
-kernels per layer from Python (26 ms on an H200 for ~0.3 GFLOP, README), so verifying K + 1
+kernels per layer from Python (an H200 took 26 ms for its ~0.3 GFLOP), so verifying K + 1
 tokens costs what decoding one does and a draft step is a large fraction of either. A CUDA
 graph records a step's kernels once and replays them with one launch.
 

@@ -1,4 +1,5 @@
-"""The one decoder layer that target and draft models share (STYLE 7).
+"""The one decoder layer that target and draft models share, so a head drafts with exactly the
+target's layer arithmetic and a fix to it reaches both.
 
 Its attention is grouped-query attention (Llama family) or multi-head latent attention
 (DeepSeek, model/mla.py); its MLP is a SwiGLU MLP or a mixture of experts (model/moe.py),

@@ -2,7 +2,7 @@
 
 On CPU in fp32 inference (`cpu_blas` on) a product of up to cpu_linear.SMALL_ROWS rows (decode,
 verification, draft steps, a prefill's last-row logits) runs in the engine's own kernel,
-which reads each weight once for all rows (cpu_linear.py has the measurements); larger ones
+which reads each weight once for all rows (figures: docs/benchmarks.md); larger ones
 (prefill, precompute, batched decode) too, in chunks of 128 rows, where the kernel beat
 OpenBLAS in a race run once per process (cpu_linear.max_rows(): on the 2-core EPYC it wins
 at every size), else numpy's matmul (OpenBLAS): torch's MKL kernels run 2-3x slower on AMD

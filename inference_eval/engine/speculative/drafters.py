@@ -16,9 +16,10 @@ will use, so a drafter can compile its steps for them (before anything is timed)
 
 A `sync_free` drafter instead catches up in `verified(reqs, plan, row_tokens, out,
 last_rows)`, called right after the verify pass and before the host learns how much was
-accepted (the reference write-up's MTP round): it re-runs over every verified row with the
-target's layout and plan, and keeps the rows at the accepted ends (device indices) as the
-next round's state; `accept` is then not called.
+accepted, so no device-to-host read stands between verification and the next draft (the
+target's hidden states go straight to the head while the sampler reads the logits): it re-runs
+over every verified row with the target's layout and plan, and keeps the rows at the accepted
+ends (device indices) as the next round's state; `accept` is then not called.
 
 `state` is the drafter's own per-request carry (a [L, ...] tensor, or None): the engine only
 selects its rows for the requests still drafting. A tree engine grows its nodes with
@@ -26,10 +27,11 @@ selects its rows for the requests still drafting. A tree engine grows its nodes 
 only drafters with `drafts_trees` support.
 
 Three drafters share the target's page tables (one allocator, one block table per request):
-- `HeadDrafter`: an MTP/EAGLE head with its own one-layer KV cache. Alignment (ARCHITECTURE):
-  the head's cache entry at index j is computed from (h_j of the target, x_{j+1}), so its
-  token buffer is the target's shifted left by one; after each round it is refilled at the
-  accepted positions from the target's hidden states (more accurate than its own).
+- `HeadDrafter`: an MTP/EAGLE head with its own one-layer KV cache. Alignment (the table in
+  heads/rollout.py): the head's cache entry at index j is computed from (h_j of the
+  target, x_{j+1}), so its token buffer is the target's shifted left by one; after each round
+  it is refilled at the accepted positions from the target's hidden states (more accurate than
+  its own).
 - `LLMDrafter`: a separate small LLM (same tokenizer) with its own full KV cache, unshifted.
 - `MedusaDrafter`: Medusa heads, no KV cache and no token input: head k maps the target's
   post-norm feature at the last accepted position to the token k+1 places after it.
