@@ -23,6 +23,14 @@ head's lm_head: its reduced vocabulary when it has one) and one draft-tree level
 nodes at once under their scratch mask). They are timed round-robin
 --step-reps times, so drift hits them alike; ratios are medians over the AR step's median.
 `--steps-only` stops after them.
+
+`--host-time` (no --head needed) measures what a GPU cannot hide by running faster: the
+host work of a step, i.e. its wall time less the time inside model passes (the target's
+forward, the head's step and lm_head), on the tiny random target (`target=tiny`, eager,
+batch 1 and --host-batch) with a random MTP head. It reports the host ms of an
+autoregressive decode step and of a chain round (K = 2 and 4), their ratio, and the round's
+host time split by phase (schedule, draft, verify, catch-up). Drafts are rarely accepted
+with a random head; a round's host work barely depends on how many are.
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ from pathlib import Path
 
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -163,9 +172,154 @@ def step_costs(args: argparse.Namespace) -> dict:
     return res
 
 
+class _ModelClock:
+    """Seconds spent inside model passes, charged to the engine phase running them: the
+    target's forward (hooks) and a head's step / lm_head (wrapped methods)."""
+
+    def __init__(self) -> None:
+        self.phase, self.spent, self._t0 = "other", {}, 0.0
+
+    def _add(self, dt: float) -> None:
+        self.spent[self.phase] = self.spent.get(self.phase, 0.0) + dt
+
+    def attach_module(self, module: torch.nn.Module) -> None:
+        def pre(*_):
+            self._t0 = time.perf_counter()
+
+        def post(*_):
+            self._add(time.perf_counter() - self._t0)
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+
+    def wrap(self, obj, name: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._add(time.perf_counter() - t)
+        setattr(obj, name, timed)
+
+    def in_phase(self, obj, name: str, phase: str) -> None:
+        fn = getattr(obj, name)
+
+        def tagged(*a, **kw):
+            before, self.phase = self.phase, phase
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.phase = before
+        setattr(obj, name, tagged)
+
+
+def _host_of(eng, clock: _ModelClock, prompts: list[list[int]], new: int) -> tuple[list, dict]:
+    """Runs `prompts` through `eng` (greedy, `new` tokens each) and returns per decode step
+    (a round, for a speculative engine): (each request's tokens, {wall ms, model ms, host ms
+    (wall - model), host ms by phase, steps, tokens}). Prefill steps are left out."""
+    from inference_eval.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    reqs = [eng.add_request(p, params) for p in prompts]
+    phases = ("draft", "verify", "catch_up")
+    wall = model = 0.0
+    by_phase = {p: 0.0 for p in ("schedule", *phases)}
+    steps = tokens = 0
+    schedule, seen = eng.scheduler.schedule, []
+
+    def watched():  # whether the step about to run prefills any request
+        batch = schedule()
+        seen.append(any(r.prefills(q) for r, q in zip(batch.requests, batch.q_lens)))
+        return batch
+    eng.scheduler.schedule = watched
+    while eng.scheduler.has_work:
+        seen.clear()
+        clock.spent.clear()
+        timing = dict(getattr(eng, "timing", {}))
+        before = sum(len(r.output_ids) for r in reqs)
+        t = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t
+        if not seen or seen[0]:
+            continue
+        steps += 1
+        tokens += sum(len(r.output_ids) for r in reqs) - before
+        wall += dt
+        spent = sum(clock.spent.values())
+        model += spent
+        if "draft" in timing:
+            for p in phases:
+                by_phase[p] += (eng.timing[p] - timing[p]) - clock.spent.get(p, 0.0)
+            by_phase["schedule"] += dt - sum(eng.timing[p] - timing[p] for p in phases) \
+                - clock.spent.get("other", 0.0)
+    eng.scheduler.schedule = schedule
+    ms = lambda x: round(x / max(steps, 1) * 1e3, 3)  # noqa: E731
+    stats = {"steps": steps, "tokens": tokens, "wall_ms": ms(wall), "model_ms": ms(model),
+             "host_ms": ms(wall - model),
+             "host_ms_by_phase": {k: ms(v) for k, v in by_phase.items()} if steps else {},
+             "tokens_per_step": round(tokens / max(steps, 1), 3)}
+    return [r.output_ids for r in reqs], stats
+
+
+@torch.inference_mode()
+def host_costs(args: argparse.Namespace) -> dict:
+    """The host time of an AR decode step and of chain rounds K = 2, 4 (module docstring)."""
+    import tempfile
+    from types import SimpleNamespace
+
+    from heads.checkpoint import save_head
+    from heads.config import HeadConfig
+    from heads.registry import build_head
+    from inference_eval.evaluation.engines import frozen_parts_of
+
+    cfg = compose("eval", EvalConfig, ["target=tiny", *args.engine])
+    loaded = load_target(cfg.target, device=cfg.engine.resolve_device(), with_tokenizer=False)
+    gen = torch.Generator().manual_seed(args.seed)
+    res: dict = {"target": "tiny", "new_tokens": args.new}
+    with tempfile.TemporaryDirectory() as tmp:
+        save_head(build_head(HeadConfig(type="mtp", num_steps=1), frozen_parts_of(loaded),
+                             seed=args.seed), Path(tmp) / "head")
+        for bs in sorted({1, args.host_batch}):
+            prompts = [torch.randint(3, 20000, (int(torch.randint(16, 64, (1,), generator=gen)),),
+                                     generator=gen).tolist() for _ in range(bs * args.host_reps)]
+            cell, outs = {}, {}
+            for name, k in (("ar", 0), ("chain2", 2), ("chain4", 4)):
+                draft = SimpleNamespace(kind="none") if k == 0 else SimpleNamespace(
+                    kind="head", checkpoint=str(Path(tmp) / "head"), num_draft=k, scheme="chain")
+                eng = build_engine(loaded, replace(cfg.engine, max_batch_size=bs), draft)
+                clock = _ModelClock()
+                clock.attach_module(eng.model)
+                if k:
+                    d = eng.drafter
+                    clock.wrap(d.head, "step")
+                    clock.wrap(d.head, "logits")
+                    # A round's model time outside drafting and catch-up is its verify pass.
+                    clock.in_phase(eng, "_decode", "verify")
+                    clock.in_phase(eng, "_propose", "draft")
+                    clock.in_phase(eng, "_prefill", "prefill")
+                    for verb in ("verified", "accept"):
+                        clock.in_phase(d, verb, "catch_up")
+                _host_of(eng, clock, prompts[:bs], 8)  # warm-up: first calls, allocations
+                outs[name], cell[name] = _host_of(eng, clock, prompts, args.new)
+            ar = cell["ar"]["host_ms"]
+            for name in ("chain2", "chain4"):
+                cell[name]["host_ratio_to_ar"] = round(cell[name]["host_ms"] / ar, 3)
+                cell[name]["mismatched"] = sum(a != b for a, b in zip(outs[name], outs["ar"]))
+            res[f"bs{bs}"] = cell
+            print(f"host time per step, tiny target, batch {bs} (ms; wall = model + host):")
+            for name, c in cell.items():
+                split = " ".join(f"{p} {v:.3f}" for p, v in c["host_ms_by_phase"].items()) \
+                    if name != "ar" else ""
+                print(f"  {name:<7} wall {c['wall_ms']:7.3f}  model {c['model_ms']:7.3f}  "
+                      f"host {c['host_ms']:7.3f}  ({c.get('host_ratio_to_ar', 1.0):.2f}x AR; "
+                      f"{c['tokens_per_step']:.2f} tok/step)  {split}")
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--head", required=True, help="head checkpoint dir (python -m train output)")
+    ap.add_argument("--head", help="head checkpoint dir (python -m train output)")
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--prompt-set", default="humaneval")
     ap.add_argument("--prompts", type=int, default=8)
@@ -182,7 +336,16 @@ def main() -> None:
     ap.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
                     help="engine overrides for the step costs and the runs, e.g. "
                          "engine.compile=true or engine.cpu_blas=torch")
+    ap.add_argument("--host-time", action="store_true",
+                    help="measure the host time of AR steps and chain rounds on the tiny target")
+    ap.add_argument("--host-batch", type=int, default=8, help="the second batch size of --host-time")
+    ap.add_argument("--host-reps", type=int, default=4, help="--host-time: prompts per batch slot")
     args = ap.parse_args()
+    if args.host_time:
+        print(json.dumps({"bench": "spec_host", **host_costs(args)}))
+        return
+    if args.head is None:
+        raise SystemExit("--head is required (or --host-time)")
     if not (Path(args.head) / "config.json").is_file():
         raise SystemExit(f"--head {args.head}: no head checkpoint there (config.json missing); "
                          "train one with scripts/run_default.sh or python -m train")

@@ -26,8 +26,12 @@ def _check(draft_tokens: torch.Tensor, target: torch.Tensor, num_draft: torch.Te
     if target.shape[:2] != (b, k + 1):
         raise ValueError(f"target must be [B, K+1, V] = [{b}, {k + 1}, V], "
                          f"got {tuple(target.shape)}")
-    if num_draft.shape != (b,) or bool((num_draft < 0).any()) or bool((num_draft > k).any()):
-        raise ValueError(f"num_draft must be [B] with 0 <= num_draft <= K={k}, got {num_draft}")
+    if num_draft.shape != (b,):
+        raise ValueError(f"num_draft must be [B] = [{b}], got {tuple(num_draft.shape)}")
+    # Checked where the values live: on a GPU an `if` on them would stall the round on a
+    # device-to-host read; this raises there at the next sync, on a CPU at once.
+    torch._assert_async(((num_draft >= 0) & (num_draft <= k)).all(),
+                        f"num_draft must satisfy 0 <= num_draft <= K={k}")
 
 
 def _out_tokens(draft_tokens: torch.Tensor, accepted: torch.Tensor,

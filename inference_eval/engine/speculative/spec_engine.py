@@ -21,6 +21,7 @@ after it were never emitted, so they are neither accepted nor rejected.
 """
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -31,6 +32,23 @@ from inference_eval.engine.llm_engine import LLMEngine
 from inference_eval.engine.request import Request
 from inference_eval.engine.sampling import SamplingTensors, processed_probs, sample, sample_from_probs
 from inference_eval.engine.speculative.chain import verify_greedy, verify_sampled
+
+
+class _VerifyRows:
+    """Where a round's packed verify rows sit in its padded [B, kmax + 1] tables (request i
+    has ks[i] + 1 rows: x_n, then its drafts): flat [T] indices into the table, num_draft [B]
+    and the first packed row of each request, starts [B]; all on the device."""
+
+    def __init__(self, ks: list[int], kmax: int, device) -> None:
+        flat = [i * (kmax + 1) + j for i, k in enumerate(ks) for j in range(k + 1)]
+        self.full = len(flat) == len(ks) * (kmax + 1)  # every request has kmax drafts
+        self.flat = torch.tensor(flat, device=device)
+        self.num_draft = torch.tensor(ks, device=device)
+        self.starts = torch.tensor([0, *itertools.accumulate(k + 1 for k in ks)][:-1], device=device)
+
+    def pick(self, table: torch.Tensor) -> torch.Tensor:
+        """[B, kmax + 1] -> the packed rows' entries [T] (a view when every row is kept)."""
+        return table.reshape(-1) if self.full else table.reshape(-1).index_select(0, self.flat)
 
 
 class SpecEngine(LLMEngine):
@@ -56,6 +74,7 @@ class SpecEngine(LLMEngine):
                              f"step): set draft.num_draft <= {self.drafter.max_steps}")
         self.timing = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "catch_up": 0.0}
         self.counters = {"rounds": 0, "host_syncs": 0}  # device-to-host reads per round
+        self._rows_seen: dict[tuple, _VerifyRows] = {}
         self.drafter.bind(self.backend, self.cpu_blas, self.cfg.weight_codes, self.cfg.head_code,
                           self.counters)
 
@@ -180,15 +199,14 @@ class SpecEngine(LLMEngine):
         # Verify [x_n, d_1..d_k] of every request in one target pass.
         layout = self._sub_layout(reqs, [k + 1 for k in ks], [m + k + 1 for m, k in zip(n, ks)])
         cu = layout.cu_q()
-        req_of, col_of = self._row_index(ks)
-        ids = torch.where(col_of == 0, torch.tensor([r.token_ids[-1] for r in reqs],
-                                                    device=self.device)[req_of],
-                          dtok[req_of, (col_of - 1).clamp(min=0)])
+        rows = self._rows(ks, kmax)
+        last = torch.tensor([[r.token_ids[-1]] for r in reqs], device=self.device)
+        ids = rows.pick(torch.cat([last, dtok], 1))
         plan = self.backend.plan(layout)
         out = self.model(ids, plan, self.cache, aux_layers=self.drafter.aux_layers)
         v = out.logits.shape[-1]
         tgt = self._per_request(out.logits, cu, kmax + 1)
-        num = torch.tensor(ks, device=self.device)
+        num = rows.num_draft
         if greedy:
             acc_t, emit_t = verify_greedy(dtok, tgt, num)
         else:
@@ -204,8 +222,8 @@ class SpecEngine(LLMEngine):
             # Row j of request i is followed by emit[i, j] wherever it is kept (j <= accepted:
             # the accepted draft, then the correction or bonus); later rows are overwritten
             # before anyone reads them, so any valid id does.
-            row_tokens = emit_t.clamp(min=0)[req_of, col_of]
-            last_rows = torch.tensor(cu[:-1], device=self.device) + acc_t
+            row_tokens = rows.pick(emit_t.clamp(min=0))
+            last_rows = rows.starts + acc_t
             self.drafter.verified(reqs, plan, row_tokens, out, last_rows)
             caught_up = True
             t0 = self._tick("catch_up", t0)
@@ -221,11 +239,16 @@ class SpecEngine(LLMEngine):
                                 [range(cu[i], cu[i] + acc[i] + 1) for i in keep])
         self._tick("catch_up", t0)
 
-    def _row_index(self, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """For the packed verify rows (request i has ks[i] + 1): request [T] and column [T]."""
-        req = [i for i, k in enumerate(ks) for _ in range(k + 1)]
-        col = [j for k in ks for j in range(k + 1)]
-        return (torch.tensor(req, device=self.device), torch.tensor(col, device=self.device))
+    def _rows(self, ks: list[int], kmax: int) -> "_VerifyRows":
+        """The verify rows' index tensors for these draft lengths, made once per (ks, kmax):
+        a run repeats a few shapes (batch 1: one per K), so a round builds none."""
+        key = (tuple(ks), kmax)
+        got = self._rows_seen.get(key)
+        if got is None:
+            if len(self._rows_seen) >= 1024:  # many batch mixes: start over, never grow unbounded
+                self._rows_seen.clear()
+            got = self._rows_seen[key] = _VerifyRows(ks, kmax, self.device)
+        return got
 
     def _propose(self, reqs, ks, n, st, greedy, kmax):
         """Draft up to ks[i] tokens per request -> (drafts [B, kmax] int64 on the device, 0
@@ -242,8 +265,10 @@ class SpecEngine(LLMEngine):
             return dtok, qs, ks
         state, logits = self.drafter.begin_round([reqs[i] for i in live], [n[i] for i in live])
         for s in range(1, max(ks) + 1):
-            sub = SamplingTensors(st.temperature[live], st.top_k[live], st.top_p[live])
-            probs = None if greedy else processed_probs(logits, sub)
+            probs = None
+            if not greedy:
+                sub = SamplingTensors(st.temperature[live], st.top_k[live], st.top_p[live])
+                probs = processed_probs(logits, sub)
             sure = self._confident(logits, len(live))
             tok = logits.argmax(-1) if greedy else sample_from_probs(probs, self.generator)
             for j, i in enumerate(live):
@@ -252,17 +277,21 @@ class SpecEngine(LLMEngine):
                 elif probs is not None:
                     qs[i].append(probs[j])
             kept = [j for j in range(len(live)) if sure[j]]
-            if kept:  # no cut (the usual case) writes tok as it is, without a gather
+            if len(kept) == b:  # every request drafts on (the usual case): no index tensors
+                dtok[:, s - 1] = tok
+            elif kept:
                 src = tok if len(kept) == len(live) else tok[torch.tensor(kept, device=self.device)]
                 dtok[torch.tensor([live[j] for j in kept], device=self.device), s - 1] = src
             nxt = [j for j, i in enumerate(live) if sure[j] and ks[i] > s]
             if not nxt:
                 break
-            live = [live[j] for j in nxt]
-            if state is not None:
-                state = state[nxt]
+            if len(nxt) < len(live):
+                live = [live[j] for j in nxt]
+                sel = torch.tensor(nxt, device=self.device)
+                state = None if state is None else state.index_select(0, sel)
+                tok = tok.index_select(0, sel)
             state, logits = self.drafter.step([reqs[i] for i in live], [n[i] for i in live], s,
-                                              tok[nxt], state)
+                                              tok, state)
         return dtok, qs, ks
 
     def _confident(self, logits: torch.Tensor, rows: int) -> list[bool]:
