@@ -30,3 +30,16 @@ def fit_head_on(loaded, seqs: list[list[int]], steps: int = 40, lr: float = 3e-3
         opt.step()
         opt.zero_grad()
     return head
+
+
+def fit_on_greedy(loaded, prompts: list[list[int]], new_tokens: int = 20, **kw):
+    """fit_head_on (its keywords: steps, lr, cfg) over each prompt followed by the target's
+    own greedy continuation of `new_tokens` tokens: a head that drafts what the target says
+    often but not always, so greedy lossless tests run both the accept and the reject path."""
+    from inference_eval.engine.config import EngineConfig
+    from inference_eval.engine.llm_engine import LLMEngine
+    from inference_eval.engine.sampling import SamplingParams
+
+    ar = LLMEngine(loaded.model, None, EngineConfig(attention="torch", page_size=4)).generate(
+        prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), progress=False)
+    return fit_head_on(loaded, [r.prompt_ids + r.token_ids for r in ar], **kw)

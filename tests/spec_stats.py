@@ -1,5 +1,6 @@
 """Statistics shared by the sampled-speculation tests: the target's exact joint law of the
-first two generated tokens, and a chi-square goodness-of-fit p-value."""
+first two generated tokens, and the one chi-square goodness-of-fit p-value every lossless
+sampling test uses."""
 from __future__ import annotations
 
 import torch
@@ -32,11 +33,16 @@ def first_two_counts(results, v: int) -> torch.Tensor:
 
 
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Goodness of fit of `counts` to `probs` over the cells with probs > 0."""
-    counts, probs = counts.flatten(), probs.flatten()
-    keep = probs > 0
-    exp = probs[keep] * counts.sum()
-    stat = ((counts[keep] - exp) ** 2 / exp).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         stat.double() / 2.0))
+    """Pearson chi-square p-value of `counts` against the law `probs` (same number of cells,
+    any shape). A cell of probability 0 expects no draw, so it is left out of the statistic
+    (its term would divide by zero), but a draw there fails at once: the sampler emitted what
+    the target never does, whatever the other cells say."""
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    live = probs > 0
+    stray = int(counts[~live].sum())
+    assert stray == 0, f"{stray} draws fell in cells of target probability 0"
+    assert int(live.sum()) >= 2, "a law on one cell leaves nothing to test"
+    exp = counts.sum() * probs[live] / probs[live].sum()
+    stat = ((counts[live] - exp) ** 2 / exp).sum()
+    dof = torch.tensor(float(live.sum() - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, stat / 2))

@@ -20,17 +20,18 @@ FAMILIES = {
 }
 
 
-def make_tiny_hf(family: str, path, seed: int = 0):
+def make_tiny_hf(family: str, path, seed: int = 0, **overrides):
     """Save a tiny random HF model of `family` to `path`; every weight perturbed so biases and
-    norms are non-trivial. Returns the HF model (fp32, eval)."""
+    norms are non-trivial. `overrides`: HF config fields over the defaults (e.g. head counts
+    for tensor-parallel splits). Returns the HF model (fp32, eval)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw = dict(FAMILIES[family])
+    kw = dict(vocab_size=320, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    kw.update(FAMILIES[family], **overrides)
     model_type = kw.pop("model_type")
-    cfg = AutoConfig.for_model(
-        model_type, vocab_size=320, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **kw)
+    cfg = AutoConfig.for_model(model_type, **kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -177,3 +178,18 @@ def fused_expert_names(state: dict) -> dict:
         out["mlp.experts.down_proj"] = torch.stack(
             [state[f"mlp.experts.{e}.down_proj.weight"] for e in range(n)])
     return out
+
+
+def perturbed_copy(model, path, scale: float = 0.1, seed: int = 1):
+    """Save HF `model` again to `path` with every weight moved by Gaussian noise of `scale` x
+    that tensor's mean magnitude: another model that mostly agrees with `model` (a draft LLM
+    whose drafts are accepted, and sometimes rejected). Returns the copy."""
+    import copy
+
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=g))
+    other.save_pretrained(path)
+    return other

@@ -1,7 +1,8 @@
 """The one place that knows about processes: accelerate setup for none/DDP/FSDP/DeepSpeed.
 
-Model code (heads/) stays single-device; this wraps it from outside (STYLE 4). One process
-works without torchrun; under torchrun the same command scales.
+Model code (heads/) stays single-device; this wraps it from outside, so a head is the same
+module in a unit test, in one process and under DDP/FSDP/DeepSpeed. One process works
+without torchrun; under torchrun the same command scales.
 """
 from __future__ import annotations
 
@@ -36,10 +37,6 @@ def make_accelerator(cfg: TrainerConfig, optim: OptimConfig | None = None):
         strategy = "ddp" if world_size() > 1 else "none"
     if strategy == "none" and world_size() > 1:
         raise ValueError("trainer.strategy=none under torchrun: use ddp, fsdp or deepspeed")
-    if strategy == "fsdp" and cpu:
-        # accelerate only shards on accelerators: on the CPU it would silently run plain DDP.
-        raise ValueError("trainer.strategy=fsdp needs CUDA devices (accelerate does not shard on "
-                         "the CPU); use trainer.strategy=ddp on the CPU")
     if strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         raise ValueError("trainer.strategy=deepspeed needs the deepspeed package (the `gpu` "
                          "extra: pip install -e '.[gpu]'); or use trainer.strategy=fsdp or ddp")
@@ -63,6 +60,19 @@ def make_accelerator(cfg: TrainerConfig, optim: OptimConfig | None = None):
                       gradient_accumulation_steps=optim.grad_accum, kwargs_handlers=[ddp], **kwargs)
     want = {"fsdp": "FSDP", "deepspeed": "DEEPSPEED"}.get(strategy)
     if want and acc.distributed_type.name != want:  # checkpoints gather by strategy: must agree
+        # Asked of accelerate, not assumed: it only shards on accelerators (on the CPU it sets
+        # up plain DDP), unless told otherwise (tests/train/fsdp_cpu.py).
+        fix = ("use trainer.strategy=ddp on the CPU (accelerate does not shard there)" if cpu
+               else "launch with torchrun on CUDA devices")
         raise ValueError(f"trainer.strategy={strategy} but accelerate set up "
-                         f"{acc.distributed_type.name}; launch with torchrun on CUDA devices")
+                         f"{acc.distributed_type.name}; {fix}")
     return acc, strategy
+
+
+def gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank (online training's records)."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

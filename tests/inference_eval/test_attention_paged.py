@@ -15,6 +15,7 @@ from inference_eval.engine.attention.mla_torch import torch_attend_latent
 from inference_eval.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan
 from inference_eval.engine.kv_cache import KVCache
 from inference_eval.engine.speculative.tree import tree_attention_mask
+from kernel_checks import check_paged
 
 PS, PAGES = 4, 64
 
@@ -23,6 +24,7 @@ def test_kernel_builds():
     # The torch backend falls back to SDPA without it; on a machine with torch's compiler
     # toolchain (which inductor needs too) that fallback must not hide a broken build.
     assert cpu_paged.kernel() is not None
+    check_paged()  # and computes: one result against SDPA
     assert TorchAttentionBackend("cpu").paged_kernel and not TorchAttentionBackend("meta").paged_kernel
 
 

@@ -11,6 +11,7 @@ from inference_eval.engine.attention import BatchLayout, cpu_causal
 from inference_eval.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan
 from inference_eval.engine.kv_cache import KVCache
 
+from kernel_checks import check_causal
 from test_attention_causal import causal_reference as reference
 
 
@@ -18,6 +19,7 @@ def test_kernel_builds():
     # The backend falls back to SDPA without it; where torch's toolchain works (inductor
     # needs it too) that fallback must not hide a broken build.
     assert cpu_causal.kernel() is not None
+    check_causal()  # and computes: one result against SDPA
     assert TorchAttentionBackend("cpu").causal_kernel
     assert not TorchAttentionBackend("meta").causal_kernel
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from inference_eval.engine.model import cpu_fused
 from inference_eval.engine.model.norm import RMSNorm
 from inference_eval.engine.model.rope import apply_rope
+from kernel_checks import check_fused
 
 
 def randn(*shape, seed=0):
@@ -19,6 +20,7 @@ def randn(*shape, seed=0):
 
 def test_kernel_builds():
     assert cpu_fused.kernel() is not None
+    check_fused()  # and computes: one result against F.rms_norm
 
 
 @pytest.mark.parametrize("rows", [1, 3, 700])  # one thread below the parallel threshold, two above

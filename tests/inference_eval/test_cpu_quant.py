@@ -8,6 +8,7 @@ import torch
 
 from inference_eval.engine.model import cpu_linear, cpu_quant
 from inference_eval.engine.model.linear import Linear, matmul_wt, set_cpu_blas
+from kernel_checks import check_quant
 
 
 def coded(out: int, inp: int, fmt: int, seed: int = 0) -> torch.Tensor:
@@ -31,6 +32,7 @@ def decoded(p: cpu_quant.Packed) -> torch.Tensor:
 
 def test_kernel_builds():
     assert cpu_quant.kernel() is not None
+    check_quant()  # and computes: one result against F.linear
 
 
 @pytest.mark.parametrize("fmt", [4, 8])

@@ -91,11 +91,20 @@ def test_bad_prompts_fail_alone(tiny_hf):
 
 
 def test_request_larger_than_cache_fails_with_reason(tiny_hf):
-    eng, _ = _tiny_engine(tiny_hf, page_size=4, num_pages=4)
+    """4 pages x 4 tokens = 16 slots. Request 1's prompt (30 tokens) is refused on arrival.
+    Request 0 (10 + 20 tokens) runs until its 7th output token finds no slot (10 + 6 cached),
+    is preempted, then fails as it cannot fit even alone: its 7 tokens are the free run's."""
+    eng, hf = _tiny_engine(tiny_hf, page_size=4, num_pages=4)
     out = eng.generate([[5] * 10, [6] * 30], SamplingParams(max_new_tokens=20, ignore_eos=True),
                        progress=False)
-    assert out[0].error is None or "KV pages" in out[0].error
-    assert out[1].error is not None and "KV pages" in out[1].error
+    assert out[0].finish_reason == "error" and out[0].num_preemptions == 1
+    assert out[0].error == ("request 0 needs 5 KV pages, the cache has 4; raise "
+                            "engine.num_pages")
+    assert out[0].token_ids == _hf_greedy(hf, [5] * 10, 7)
+    assert out[1].finish_reason == "error" and out[1].token_ids == []
+    assert out[1].error.startswith("prompt 1: request 1: its prompt needs 8 KV pages but the "
+                                   "cache holds only 4")
+    assert eng.allocator.num_free == 4  # every page returned
 
 
 def test_eos_stops_generation(tiny_hf):

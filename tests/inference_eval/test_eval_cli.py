@@ -13,6 +13,7 @@ import yaml
 
 from inference_eval.evaluation import engines, evaluate
 from inference_eval.engine.llm_engine import LLMEngine
+from inference_eval.engine.speculative.spec_engine import SpecEngine
 from inference_eval.evaluation.config import DraftConfig, EvalConfig
 from inference_eval.hydra_app import CONF_DIR, compose
 from inference_eval.evaluation.report import PLOTS
@@ -193,15 +194,23 @@ def test_several_drafts_one_report_and_a_failing_prompt(tmp_path, prompt_file, m
     assert json.loads((tmp_path / "o" / "report.json").read_text())["primary"] == "k2"
 
 
-def test_real_spec_engine_self_draft_is_lossless(tmp_path, prompt_file):
-    """draft=llm with the target itself as the draft, through spec.engine.build_engine: every
-    draft is accepted and greedy output equals the baseline's."""
-    pytest.importorskip("inference_eval.engine.speculative.spec_engine")
+def test_real_spec_engine_self_draft_is_lossless(tmp_path, prompt_file, monkeypatch):
+    """draft=llm with the target itself as the draft, through engines.build_engine and the real
+    SpecEngine: every draft is accepted and greedy output equals the baseline's."""
+    calls = []
+    real = SpecEngine.generate
+
+    def generate(self, *args, **kwargs):
+        calls.append(type(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpecEngine, "generate", generate)
     cfg = compose("eval", EvalConfig, [
         *FAST, "draft=llm", "draft.llm=${target}", "draft.name=self", "draft.num_draft=3",
         "prompts=jsonl", f"prompts.path={prompt_file}", f"output_dir={tmp_path}",
         "eval.warmup=false"])
     report = evaluate.main(cfg)
+    assert calls and set(calls) == {SpecEngine}
     assert report["primary"] == "self" and report["num_errors"] == 0
     assert report["lossless_check"]["compared"] == 4 and report["lossless_check"]["mismatched"] == 0
     assert report["per_position_accept_rate"] == [1.0, 1.0, 1.0]

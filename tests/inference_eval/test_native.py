@@ -5,6 +5,7 @@ import warnings
 import pytest
 
 from inference_eval.engine import native
+from kernel_checks import CHECKS
 
 
 def test_every_kernel_source_sits_beside_the_module_that_loads_it():
@@ -21,6 +22,9 @@ def test_build_all_builds_or_finds_every_kernel():
     done = native.build_all(jobs=2)
     assert [s for s, _ in done] == native.sources()
     assert all(ok for _, ok in done), [s.name for s, ok in done if not ok]
+    assert sorted(CHECKS) == sorted(s.name for s, _ in done)  # a check for every kernel
+    for src, _ in done:  # what was built (or found) computes: one result against torch
+        CHECKS[src.name]()
 
 
 def test_a_source_that_does_not_compile_warns_and_returns_none(tmp_path):

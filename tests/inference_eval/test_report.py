@@ -9,7 +9,7 @@ import pytest
 from inference_eval.evaluation.metrics import TurnOutput
 from inference_eval.evaluation.report import PLOTS, RunResult, build_report, write_report
 
-# ARCHITECTURE.md's report.json contract.
+# The keys every run of report.json carries (the table in docs/evaluation.md, Reports).
 REQUIRED = ("scheme", "num_prompts", "generated_tokens", "target_steps", "mean_accept_len",
             "accept_len_hist", "per_position_accept_rate", "tokens_per_s", "ar_tokens_per_s",
             "speedup", "lossless_check", "by_category")

@@ -2,21 +2,12 @@
 and a statistical check that speculative sampling emits the target distribution."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from inference_eval.engine.sampling import SamplingParams, SamplingTensors, processed_probs
 from inference_eval.engine.speculative.chain import residual_probs, verify_greedy, verify_sampled
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; cells with zero expected mass must have no counts."""
-    n = counts.sum()
-    live = probs > 0
-    assert int(counts[~live].sum()) == 0, "a token with target probability 0 was emitted"
-    exp = n * probs[live].double()
-    stat = ((counts[live].double() - exp) ** 2 / exp).sum()
-    df = torch.tensor(float(live.sum() - 1), dtype=torch.float64)
-    return float(torch.special.gammaincc(df / 2, stat / 2))
+from spec_stats import chi2_pvalue
 
 
 def first_argmax(row: list[float]) -> int:
@@ -169,3 +160,11 @@ def test_lossless_test_has_power():
     # same statistic must notice.
     counts, joint, _ = simulate_chain(40_000, q_fix=torch.full((4,), 0.25))
     assert chi2_pvalue(counts, joint) < 1e-6
+
+
+def test_chi2_leaves_out_impossible_cells_but_fails_a_draw_in_one():
+    law = torch.tensor([[0.5, 0.0], [0.25, 0.25]])  # one cell the target never emits
+    assert chi2_pvalue(torch.tensor([[50, 0], [25, 25]]), law) == pytest.approx(1.0)
+    assert chi2_pvalue(torch.tensor([[70, 0], [15, 15]]), law) < 1e-3  # live cells still count
+    with pytest.raises(AssertionError, match="1 draws fell in cells of target probability 0"):
+        chi2_pvalue(torch.tensor([[50, 1], [25, 24]]), law)

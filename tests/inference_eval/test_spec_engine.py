@@ -1,5 +1,6 @@
 """The speculative engine is lossless: greedy speculative output equals greedy autoregressive
-output token for token, for head chains and LLM drafts, batched with mixed draft lengths."""
+output token for token, for head chains and LLM drafts, batched with mixed draft lengths, with
+drafts that are accepted and rejected."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -18,6 +19,8 @@ from inference_eval.evaluation.engines import build_engine, frozen_parts_of
 from inference_eval.engine.target import TargetConfig, load_target
 from spec_stats import chi2_pvalue, first_two_counts, joint_first_two
 from engine_cases import load_tiny as _loaded, random_prompts
+from fit_head import fit_on_greedy
+from tiny_hf_models import perturbed_copy
 
 
 def _prompts(k=6, seed=21):
@@ -29,22 +32,37 @@ def _ar(loaded, prompts, params):
     return [r.token_ids for r in eng.generate(prompts, params, progress=False)]
 
 
+@pytest.fixture(scope="module")
+def fitted_head(tiny_hf, tmp_path_factory):
+    """An mtp head (one step, drafting K by reuse) fitted on the target's greedy continuations
+    of _prompts(): it drafts what the target says often, not always (a random head accepts
+    nothing, and a lossless test of it never runs the accept path)."""
+    path = tmp_path_factory.mktemp("fitted") / "h"
+    save_head(fit_on_greedy(_loaded(tiny_hf), _prompts()), path)
+    return str(path)
+
+
+def _drafts(out) -> tuple[int, int]:
+    """(accepted, proposed) drafts over every round of every result."""
+    return (sum(sum(r.meta["accepted"]) for r in out), sum(sum(r.meta["proposed"]) for r in out))
+
+
 @pytest.mark.parametrize("num_draft", [1, 2, 4])
-def test_head_chain_greedy_is_lossless(tiny_hf, tmp_path, num_draft):
+def test_head_chain_greedy_is_lossless(tiny_hf, fitted_head, num_draft):
     loaded = _loaded(tiny_hf)
-    head = build_head(HeadConfig(type="mtp", num_steps=1), frozen_parts_of(loaded), seed=3)
-    save_head(head, tmp_path / "h")
     # Max lengths differ per prompt so K shrinks near the end for some requests only.
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (9, 14, 20, 5, 17, 12)]
     prompts = _prompts()
     eng = build_engine(loaded, EngineConfig(attention="torch", page_size=4),
-                      SimpleNamespace(kind="head", checkpoint=str(tmp_path / "h"), num_draft=num_draft,
+                      SimpleNamespace(kind="head", checkpoint=fitted_head, num_draft=num_draft,
                                       scheme="chain"))
     out = eng.generate(prompts, params, progress=False)
     assert [r.token_ids for r in out] == _ar(loaded, prompts, params)
     for r in out:  # metrics contract: one entry per target step, tokens = steps + accepted
         assert len(r.token_ids) <= sum(r.meta["accepted"]) + r.meta["target_steps"]
         assert max(r.meta["proposed"]) <= num_draft
+    accepted, proposed = _drafts(out)
+    assert 0.15 * proposed < accepted < proposed, (accepted, proposed)  # both paths ran
 
 
 def test_llm_draft_equal_to_target_accepts_everything(tiny_hf):
@@ -61,16 +79,19 @@ def test_llm_draft_equal_to_target_accepts_everything(tiny_hf):
         assert r.meta["target_steps"] < 16
 
 
-def test_llm_draft_other_model_is_lossless(tiny_hf):
+def test_llm_draft_other_model_is_lossless(tiny_hf, tmp_path):
     loaded = _loaded(tiny_hf, "llama3")
-    hf_dir, _ = tiny_hf("smollm2")  # another random model, same vocab size
+    other = tmp_path / "other"  # another checkpoint: the target's weights, perturbed
+    perturbed_copy(tiny_hf("llama3")[1], other)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     prompts = _prompts(4, seed=5)
     eng = build_engine(loaded, EngineConfig(attention="torch", page_size=4),
                       SimpleNamespace(kind="llm", num_draft=3, scheme="chain",
-                                      llm=TargetConfig(name="d", source="hf", path=str(hf_dir))))
+                                      llm=TargetConfig(name="d", source="hf", path=str(other))))
     out = eng.generate(prompts, params, progress=False)
     assert [r.token_ids for r in out] == _ar(loaded, prompts, params)
+    accepted, proposed = _drafts(out)
+    assert 0.15 * proposed < accepted < proposed, (accepted, proposed)  # both paths ran
 
 
 def test_head_for_another_target_is_refused(tiny_hf, tmp_path):

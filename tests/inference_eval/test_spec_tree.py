@@ -12,19 +12,10 @@ from inference_eval.engine.speculative.chain import verify_greedy
 from inference_eval.engine.speculative.tree import (
     CHILD_MODES, DraftTree, build_tree, tree_attention_mask, tree_children, tree_emitted_tokens,
     tree_expand, tree_init, tree_positions, tree_prune, verify_tree_greedy, verify_tree_sampled)
+from spec_stats import chi2_pvalue
 
 V = 6
 NEG_INF = float("-inf")
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; cells with zero expected mass must have no counts."""
-    live = probs > 0
-    assert int(counts[~live].sum()) == 0, "a token with target probability 0 was emitted"
-    exp = counts.sum() * probs[live].double()
-    stat = ((counts[live].double() - exp) ** 2 / exp).sum()
-    df = torch.tensor(float(live.sum() - 1), dtype=torch.float64)
-    return float(torch.special.gammaincc(df / 2, stat / 2))
 
 
 def first_argmax(row: torch.Tensor) -> int:

@@ -1,7 +1,8 @@
 """What a shard stores at each position is the target's own state for that token.
 
-Hidden convention (ARCHITECTURE): hidden[t] is the last decoder layer's output h_t BEFORE the
-final norm; aux_hidden[t, j] is decoder layer aux[j]'s output (HF hidden_states[aux[j] + 1]).
+Hidden convention (the shard table of docs/data.md): hidden[t] is the last decoder layer's
+output h_t BEFORE the final norm; aux_hidden[t, j] is decoder layer aux[j]'s output (HF
+hidden_states[aux[j] + 1]).
 Checked on a packed, length-sorted batch of sequences of different lengths against the engine
 run one sequence at a time and against transformers, at bf16 storage tolerance.
 """

@@ -1,5 +1,6 @@
 """SIGKILL the precompute job at several points; each rerun resumes, and the result is the
-same bytes as an uninterrupted run (ARCHITECTURE: Shards, "a rerun resumes")."""
+same bytes as an uninterrupted run (shards are written under a temporary name and renamed,
+so a killed run resumes at the next missing shard: docs/data.md, Precompute)."""
 from __future__ import annotations
 
 import subprocess

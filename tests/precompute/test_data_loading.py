@@ -1,7 +1,6 @@
 """Loading chat data: cut-off JSON arrays, JSONL, `datasets`, rejection reasons, config."""
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -109,9 +108,8 @@ def test_limit_stops_validation_but_the_tail_is_still_measured(tmp_path):
 
 @pytest.mark.slow
 def test_embedded_sharegpt_file_is_recovered_up_to_its_cut():
-    start = time.perf_counter()
+    # Its speed is scripts/bench_data_loading.py's to measure (against json.loads, same run).
     result = load_sharegpt()
-    seconds = time.perf_counter() - start
     report = result.report
     assert report.records_seen > 17000
     assert report.kept > 17000
@@ -120,7 +118,6 @@ def test_embedded_sharegpt_file_is_recovered_up_to_its_cut():
     assert 0 < report.tail_bytes_dropped < 100_000
     assert report.notes["dropped_leading_assistant"] > 1000
     assert all(c.turns[-1].role == "assistant" for c in result.conversations)
-    assert seconds < 30, f"loading took {seconds:.1f}s"
 
 
 # ------------------------------------------------------------------------ rejection reasons

@@ -110,14 +110,13 @@ def run_train():
 
 @pytest.fixture
 def run_fsdp():
-    """run_fsdp(*overrides, stop_at=None) -> CompletedProcess of tests/train/fsdp_worker.py on
-    two gloo ranks (the trainer's step under torch's FSDP; --stop-at N leaves after step N)."""
+    """run_fsdp(*overrides) -> CompletedProcess of `python -m train trainer.strategy=fsdp` on
+    two gloo ranks, accelerate sharding on the CPU (tests/train/fsdp_cpu.py)."""
 
-    def run(*overrides: str, stop_at: int | None = None, timeout: float = 300):
-        stop = ["--stop-at", str(stop_at)] if stop_at else []
+    def run(*overrides: str, timeout: float = 180) -> subprocess.CompletedProcess:
         cmd = [str(PYTHON), "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-               str(REPO / "tests" / "train" / "fsdp_worker.py"), *stop, *overrides]
+               str(REPO / "tests" / "train" / "fsdp_cpu.py"), "trainer.strategy=fsdp", *overrides]
         return subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True,
                               timeout=timeout)
 

@@ -123,3 +123,14 @@ def test_cli_data_error_fails_before_training(shards_copy, run_train, common, tm
     assert r.returncode != 0
     assert "shard_00000.safetensors is corrupt" in r.stderr
     _assert_nothing_trained(tmp_path / "out")
+
+
+def test_fsdp_where_accelerate_does_not_shard_is_refused(shards, run_train, common, tmp_path):
+    """Without CUDA accelerate sets up no FSDP (tests/train/fsdp_cpu.py makes it shard on gloo
+    for the FSDP test); the trainer asks it what it set up and stops, naming the fix."""
+    r = run_train(*common, f"data.shards={shards}", "trainer.strategy=fsdp",
+                  f"output_dir={tmp_path / 'out'}", timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert ("error: trainer.strategy=fsdp but accelerate set up NO; use trainer.strategy=ddp on "
+            "the CPU") in r.stderr
+    _assert_nothing_trained(tmp_path / "out")
