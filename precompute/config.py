@@ -40,17 +40,22 @@ class PrecomputeConfig:
         self.aux_layer_ids(num_layers=1 << 20)  # syntax check now; range check once L is known
 
     def aux_layer_ids(self, num_layers: int) -> list[int]:
-        spec = str(self.aux).strip().lower()
-        if spec in ("none", ""):
-            return []
-        if spec == "eagle3":
-            return eagle3_aux_layers(num_layers)
-        try:
-            ids = [int(x) for x in spec.split(",")]
-        except ValueError:
-            raise ValueError(
-                f"aux={self.aux!r}: use none, eagle3 or comma-separated layer ids") from None
-        bad = [i for i in ids if not 0 <= i < num_layers]
-        if bad:
-            raise ValueError(f"aux layer ids {bad} are outside 0..{num_layers - 1}")
-        return ids
+        return aux_layer_ids(self.aux, num_layers)
+
+
+def aux_layer_ids(aux: str, num_layers: int, key: str = "aux") -> list[int]:
+    """The layer ids of an `aux` setting (none, eagle3 or comma-separated ids)."""
+    spec = str(aux).strip().lower()
+    if spec in ("none", ""):
+        return []
+    if spec == "eagle3":
+        return eagle3_aux_layers(num_layers)
+    try:
+        ids = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"{key}={aux!r}: use none, eagle3 or comma-separated layer ids") from None
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"{key}: aux layer ids {bad} are outside 0..{num_layers - 1}")
+    return ids

@@ -49,19 +49,13 @@ def build_shard(model: TransformerLM, backend: AttentionBackend, records: Sequen
     # the GEMMs, most of the work, still run on every core.
     with torch_threads(openblas_threads(model.cpu_blas and device.type == "cpu")):
         for batch in plan_batches(range(len(records)), lengths, batch_tokens):
-            ids = torch.tensor([t for i in batch for t in records[i].input_ids],
-                               dtype=torch.long, device=device)
-            plan = backend.plan(BatchLayout.packed([lengths[i] for i in batch]))
-            out = model(ids, plan, None, compute_logits=False, aux_layers=aux_layers)
-            start = 0
-            for i in batch:
-                n = lengths[i]
-                hidden[offsets[i]:offsets[i] + n] = out.hidden[start:start + n].to("cpu", store)
+            rows = forward_batch(model, backend, [records[i] for i in batch], aux_layers, store)
+            for i, (h, a) in zip(batch, rows):
+                hidden[offsets[i]:offsets[i] + lengths[i]] = h
                 if aux is not None:
-                    aux[offsets[i]:offsets[i] + n] = out.aux[start:start + n].to("cpu", store)
-                start += n
+                    aux[offsets[i]:offsets[i] + lengths[i]] = a
             if on_batch is not None:
-                on_batch(len(ids))
+                on_batch(sum(lengths[i] for i in batch))
     scale = None
     if hidden_dtype == "fp8":
         hidden, scale = quantize_fp8(hidden)
@@ -73,3 +67,25 @@ def build_shard(model: TransformerLM, backend: AttentionBackend, records: Sequen
         hidden=hidden, cu_seqlens=torch.tensor(offsets, dtype=torch.int64), aux_hidden=aux,
         hidden_scale=scale, record_ids=[r.id for r in records])
 
+
+
+@torch.inference_mode()
+def forward_batch(model: TransformerLM, backend: AttentionBackend,
+                  records: Sequence[TokenizedRecord], aux_layers: Sequence[int],
+                  store: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """One packed cacheless forward of `records`; per record (hidden [T, H], aux [T, A, H] or
+    None) on the CPU in `store`. The states of a record depend on the batch it runs in (the
+    kernels' row blocking), so precompute and online training (train/online.py) both run the
+    batches of plan_batches through this one function: the same batches give the same bits."""
+    device = next(model.parameters()).device
+    lengths = [len(r.input_ids) for r in records]
+    ids = torch.tensor([t for r in records for t in r.input_ids], dtype=torch.long,
+                       device=device)
+    out = model(ids, backend.plan(BatchLayout.packed(lengths)), None, compute_logits=False,
+                aux_layers=aux_layers)
+    rows, start = [], 0
+    for n in lengths:
+        a = None if out.aux is None else out.aux[start:start + n].to("cpu", store)
+        rows.append((out.hidden[start:start + n].to("cpu", store), a))
+        start += n
+    return rows

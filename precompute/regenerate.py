@@ -3,22 +3,24 @@
 Heads trained on the target's own outputs accept more at serving time, because that is the
 distribution they will draft against. The answers come from the self-distillation stage
 (precompute/distill/), run into `output_dir/distill` with every user turn answered
-(regen_temperature, regen_max_new_tokens). That stage is cached and resumable on its own, so a
-precompute resume or rerun reads the answers it already has and never generates them again.
+(regen_temperature, regen_max_new_tokens). The stage writes the shards itself, into
+output_dir, from the hidden states the engine computed while generating the answers
+(precompute/capture.py, precompute/distill/shards.py): no second prefill over prompt + answer.
+Both the answers and the shards are resumable; a batch of prompts whose shards a kill lost is
+answered again (the same requests, so the same bytes). A complete rerun does nothing.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 from inference_eval.engine.sampling import SamplingParams
 from inference_eval.engine.target import LoadedTarget
 from precompute.config import PrecomputeConfig
-from precompute.data import LoadResult, Rejected, load_file
-from precompute.distill import DistillConfig, DistillManifest, run_distill
-from precompute.distill.manifest import MANIFEST, PLAN_FILE
+from precompute.distill import DistillConfig, run_distill
+from precompute.distill.manifest import PLAN_FILE
 from precompute.distill.store import CONVERSATIONS
+from precompute.manifest import Manifest
 
 
 def distill_config(cfg: PrecomputeConfig) -> DistillConfig:
@@ -28,30 +30,16 @@ def distill_config(cfg: PrecomputeConfig) -> DistillConfig:
         sampling=SamplingParams(temperature=cfg.data.regen_temperature,
                                 max_new_tokens=cfg.data.regen_max_new_tokens),
         output_dir=str(Path(cfg.output_dir) / "distill"), turns="all",
-        overwrite=cfg.overwrite, progress=cfg.progress)
+        overwrite=cfg.overwrite, progress=cfg.progress, shards_dir=cfg.output_dir,
+        hidden_dtype=cfg.hidden_dtype, aux=cfg.aux, shard_tokens=cfg.shard_tokens)
 
 
-def training_conversations(cfg: PrecomputeConfig, result: LoadResult, loaded: LoadedTarget,
-                           rank: int, world: int) -> tuple[LoadResult, dict]:
-    """The chats precompute tokenizes and the regeneration summary for its manifest: `result`
-    as loaded and {} without data.regenerate; else the distilled conversations, with the
-    prompts the stage rejected listed (and counted) first."""
-    if not cfg.data.regenerate:
-        return result, {}
-    dcfg = distill_config(cfg)
-    run_distill(dcfg, rank, world, loaded=loaded)
-    out = Path(dcfg.output_dir)
-    distilled = load_file(out / CONVERSATIONS)
-    lines = (out / "rejects.jsonl").read_text().splitlines()
-    earlier = [Rejected(**json.loads(line)) for line in lines if line.strip()]
-    for r in earlier:
-        distilled.report.add_rejected(r)
-    distilled.rejected[:0] = earlier
-    m = DistillManifest.load(out / MANIFEST)
-    summary = {"distill_dir": str(out), "plan_hash": m.plan_hash, "turns": m.turns,
-               "sampling": m.sampling, "counts": m.counts,
-               "generated_tokens": m.generated_tokens}
-    return distilled, summary
+def regenerated_shards(cfg: PrecomputeConfig, loaded: LoadedTarget, rank: int,
+                       world: int) -> Manifest | None:
+    """data.regenerate: the distill stage answers and writes the shards in one pass; the
+    shard manifest on rank 0, None elsewhere."""
+    run_distill(distill_config(cfg), rank, world, loaded=loaded)
+    return Manifest.load(Path(cfg.output_dir) / "manifest.json") if rank == 0 else None
 
 
 def refuse_unfinished_distill(cfg: PrecomputeConfig) -> None:

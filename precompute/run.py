@@ -3,7 +3,8 @@
 This file only orchestrates; each step lives in its own module:
 - loading and validating chats, chat template and loss mask: precompute/data/
 - the target's own answers (data.regenerate): precompute/regenerate.py, which runs the
-  self-distillation stage precompute/distill/ into output_dir/distill (cached)
+  self-distillation stage precompute/distill/ into output_dir/distill; that stage writes
+  the shards itself from the states captured while generating (no second prefill)
 - what identifies a plan (tokenizer, records, settings): precompute/identity.py
 - the shard plan and its batches: precompute/plan.py; the forward passes: precompute/dump.py
 - shard files: precompute/shard_io.py; the manifest: precompute/manifest.py
@@ -45,10 +46,10 @@ from precompute.dump import build_shard
 from precompute.identity import shard_plan_hash, tokenizer_identity
 from precompute.manifest import Manifest, ShardEntry
 from precompute.plan import plan_shards
-from precompute.regenerate import refuse_unfinished_distill, training_conversations
+from precompute.regenerate import refuse_unfinished_distill, regenerated_shards
 from precompute.resume import ShardLedger, shard_name
 from precompute.shard_io import write_shard
-from precompute.summary import dry_run, print_summary
+from precompute.summary import dry_run, print_regenerated, print_summary
 
 
 def main(cfg: PrecomputeConfig) -> Manifest | None:
@@ -63,7 +64,9 @@ def _run(cfg: PrecomputeConfig, rank: int, world: int) -> Manifest | None:
     if cfg.engine.threads:
         torch.set_num_threads(cfg.engine.threads)
     # Data first: a missing or unreadable input fails in seconds, not after loading a 70B model.
-    result = load_conversations(cfg.data)
+    # data.regenerate reads prompts only (data=mix holds nothing else; the dry run counts the
+    # original turns).
+    result = load_conversations(cfg.data, prompts=cfg.data.regenerate and not cfg.dry_run)
     refuse_unfinished_distill(cfg)
     if cfg.dry_run:
         return dry_run(cfg, result, rank)
@@ -73,7 +76,11 @@ def _run(cfg: PrecomputeConfig, rank: int, world: int) -> Manifest | None:
     if tok is None:
         raise ValueError(f"target {cfg.target.name!r} has no tokenizer; precompute needs one")
     aux_layers = cfg.aux_layer_ids(model.arch.num_layers)
-    result, regen_counts = training_conversations(cfg, result, loaded, rank, world)
+    if cfg.data.regenerate:  # answers and shards in one pass (precompute/regenerate.py)
+        manifest = regenerated_shards(cfg, loaded, rank, world)
+        if manifest is not None:
+            print_regenerated(out, manifest, time.perf_counter() - t_start)
+        return manifest
     records = _records(cfg, result, tok)
     lengths = [len(r.input_ids) for r in records]
     shards = plan_shards(lengths, cfg.shard_tokens)
@@ -89,7 +96,7 @@ def _run(cfg: PrecomputeConfig, rank: int, world: int) -> Manifest | None:
         tokenizer=tok_id, hidden_dtype=cfg.hidden_dtype, hidden_size=model.arch.hidden_size,
         aux_layers=aux_layers, plan_hash=phash, num_planned_shards=len(shards),
         data={"config": asdict(cfg.data), "load_report": result.report.to_dict(),
-              "regeneration": regen_counts, "max_length": cfg.data.max_length})
+              "regeneration": {}, "max_length": cfg.data.max_length})
     todo = ledger.todo()
     # Tokens/s and ETA from a bar over tokens; the postfix says which shard is in flight.
     bar = tqdm(total=sum(lengths[i] for k in todo for i in shards[k]), unit="tok",

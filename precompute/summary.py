@@ -28,6 +28,16 @@ def print_summary(out: Path, manifest: Manifest, result: LoadResult, kept: int,
               "dropped, every complete record kept")
 
 
+def print_regenerated(out: Path, manifest: Manifest, secs: float) -> None:
+    """The summary of a data.regenerate run (answers and shards in one pass)."""
+    nbytes = sum((out / e.file).stat().st_size for e in manifest.shards)
+    report = manifest.data.get("load_report", {})
+    rejected = report.get("rejected", {})
+    print(f"precompute done (answers and states in one pass): kept {report.get('kept')} "
+          f"records, rejected {sum(rejected.values())} {rejected}, {manifest.num_tokens} "
+          f"tokens, {len(manifest.shards)} shards, {nbytes / 1e6:.1f} MB, {secs:.1f}s -> {out}")
+
+
 def dry_run(cfg: PrecomputeConfig, result: LoadResult, rank: int) -> None:
     """Token and byte counts from the tokenizer and the architecture alone (no weights)."""
     from inference_eval.engine.target import load_tokenizer

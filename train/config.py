@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from heads.config import HeadConfig
 from inference_eval.engine.config import EngineConfig
 from inference_eval.engine.target import TargetConfig
-from precompute.data.config import HELDOUT_SKIP
+from precompute.data.config import HELDOUT_SKIP, DataConfig
 
 STRATEGIES = ("auto", "none", "ddp", "fsdp", "deepspeed")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
@@ -16,13 +16,37 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass
 class TrainDataConfig:
+    """shards: precompute output_dir(s). online: no shards; the target runs in this job on
+    the records of the `source` group (train/online.py, docs/online.md), with precompute's
+    settings for the same bits: hidden_dtype, aux ("auto": eagle3's layers for head=eagle3),
+    shard_tokens and forward_tokens (precompute's batch_tokens). cache_tokens: states of
+    records computed ahead of their micro-batch kept in memory (older ones are recomputed)."""
+
     shards: str = "runs/shards"
     batch_tokens: int = 8192  # packed tokens per micro-batch (per rank)
     verify_checksums: bool = True
+    online: bool = False
+    hidden_dtype: str = "bfloat16"
+    aux: str = "auto"
+    shard_tokens: int = 262144
+    forward_tokens: int = 4096
+    cache_tokens: int = 1 << 21
 
     def __post_init__(self) -> None:
+        from precompute.config import HIDDEN_DTYPES, aux_layer_ids
+
         if self.batch_tokens < 1:
             raise ValueError(f"data.batch_tokens must be >= 1, got {self.batch_tokens}")
+        if not isinstance(self.online, bool):
+            raise TypeError(f"data.online must be true or false, got {self.online!r}")
+        if self.hidden_dtype not in HIDDEN_DTYPES:
+            raise ValueError(f"data.hidden_dtype={self.hidden_dtype!r}: use one of "
+                             f"{HIDDEN_DTYPES}")
+        if self.aux != "auto":
+            aux_layer_ids(self.aux, 1 << 20, "data.aux")
+        for key in ("shard_tokens", "forward_tokens", "cache_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"data.{key} must be >= 1, got {getattr(self, key)}")
 
 
 @dataclass
@@ -155,12 +179,21 @@ class TrainConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     output_dir: str = "runs/head"
+    # data.online=true: the records to train on, the `source` group (conf/source/, the same
+    # presets as precompute's `data` group: sharegpt, jsonl, hf, mix; source.regenerate).
+    source: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
+        if self.source.source == "mix" and not self.source.regenerate and self.data.online:
+            raise ValueError("source=mix holds prompts only: set source.regenerate=true so the "
+                             "target answers them")
         stages = self.trainer.stages
         if stages and self.head.type == "medusa":
             raise ValueError("trainer.stages: a medusa head's K is its number of heads and cannot "
                              "change during training; set head.num_steps instead")
+        if stages and self.head.type == "dflash":
+            raise ValueError("trainer.stages: a dflash head's block (head.num_steps + 1 rows) is "
+                             "fixed when it is built; set head.num_steps instead")
         if stages and stages[-1].num_steps != max(s.num_steps for s in stages):
             raise ValueError("trainer.stages: the last stage must have the largest num_steps (the "
                              "head is saved with it)")

@@ -88,11 +88,12 @@ class ShardStore:
 
     def batches(self, batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
         """Sequence indices per micro-batch for one epoch (deterministic)."""
-        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        order = torch.randperm(len(self.seqs), generator=g).tolist()
-        # Same greedy in-order packing as precompute's shard plan, over the shuffled order.
-        groups = plan_shards([self.seqs[i].end - self.seqs[i].start for i in order], batch_tokens)
-        return [[order[j] for j in group] for group in groups]
+        return plan_epoch([s.end - s.start for s in self.seqs], batch_tokens, seed, epoch)
+
+    def tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [N], loss_mask [N]) of every sequence (the draft vocabulary's counts)."""
+        return (torch.cat([s.input_ids for s in self.shards]),
+                torch.cat([s.loss_mask for s in self.shards]))
 
     def collate(self, seq_ids: list[int], dtype: torch.dtype = torch.float32) -> PackedBatch:
         parts = [(self.shards[self.seqs[i].shard], self.seqs[i].start, self.seqs[i].end) for i in seq_ids]
@@ -103,6 +104,17 @@ class ShardStore:
         if parts[0][0].aux_hidden is not None:
             aux = torch.cat([s.aux_hidden[a:b].to(dtype) for s, a, b in parts])
         return PackedBatch(ids, hidden, mask, [b - a for _, a, b in parts], aux)
+
+
+def plan_epoch(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """The micro-batches of one epoch over sequences of `lengths` (their order in the data):
+    a pure function of the lengths, seed and epoch, so shards and online training
+    (train/online.py) that hold the same sequences in the same order get the same batches."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(len(lengths), generator=g).tolist()
+    # Same greedy in-order packing as precompute's shard plan, over the shuffled order.
+    groups = plan_shards([lengths[i] for i in order], batch_tokens)
+    return [[order[j] for j in group] for group in groups]
 
 
 def _dequant(s: Shard, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:

@@ -24,26 +24,33 @@ from train.precision import cast_for_training
 from train.schedule import make_optimizer, make_scheduler
 from train.state import (RunShape, latest_checkpoint, load_training_state, save_final_head,
                          save_training_state)
+from train.online import check_warm_start_target, online_progress, online_source
 from train.recipe import init_from_target_layer, rollout_depth, steps_from_epochs, warm_start
 from train.selection import Selection
 from train.validate import Validator
 
 
-def prepare(cfg: TrainConfig):
-    """Everything checked before the first step: shards, target match, head/shard fit."""
-    store = ShardStore(cfg.data.shards, verify=cfg.data.verify_checksums)
-    parts = load_frozen(cfg.target)
+def prepare(cfg: TrainConfig, acc=None):
+    """Everything checked before the first step: shards (or the online source), target match,
+    head/shard fit. acc: the accelerator (device and ranks of the online target)."""
+    if cfg.data.online:
+        parts = load_frozen(cfg.target)
+        if cfg.trainer.init_from is not None:  # before the target runs over the data
+            check_warm_start_target(cfg.trainer.init_from, parts)
+        store = online_source(cfg, acc)
+    else:
+        store = ShardStore(cfg.data.shards, verify=cfg.data.verify_checksums)
+        parts = load_frozen(cfg.target)
     store.check_target(parts.identity)
     head_cfg = cfg.head
-    if head_cfg.type == "eagle3":
+    if head_cfg.reads_aux:
         if not store.aux_layers:
-            raise ValueError(f"head=eagle3 needs auxiliary layers, but {cfg.data.shards} was "
+            raise ValueError(f"head={head_cfg.type} needs auxiliary layers, but {cfg.data.shards} was "
                              "precomputed with aux=none; precompute again with aux=eagle3")
         head_cfg = replace(head_cfg, aux_layers=store.aux_layers)
     vocab = None
     if head_cfg.draft_vocab_size is not None:
-        ids = torch.cat([s.input_ids for s in store.shards])
-        mask = torch.cat([s.loss_mask for s in store.shards])
+        ids, mask = store.tokens()
         vocab = build_draft_vocab(ids, mask, parts.arch.vocab_size, head_cfg.draft_vocab_size)
     if cfg.trainer.stages:  # saved with the last stage's K; the loop sets K per step
         head_cfg = replace(head_cfg, num_steps=cfg.trainer.stages[-1].num_steps)
@@ -67,7 +74,7 @@ def total_steps(cfg: TrainConfig, store: ShardStore, micro_batches_per_step: int
 
 def train(cfg: TrainConfig) -> dict:
     acc, strategy = make_accelerator(cfg.trainer, cfg.optim)
-    store, parts, head = prepare(cfg)
+    store, parts, head = prepare(cfg, acc)
     out = Path(cfg.output_dir)
     ck_root = out / "checkpoints"
     tc, oc = cfg.trainer, cfg.optim
@@ -155,6 +162,8 @@ def train(cfg: TrainConfig) -> dict:
         done = step + 1
         if done % tc.log_every == 0 or done == max_steps:
             last = log_window(acc, logger, bar, window, micro, tokens, t0, sched, done)
+            if cfg.data.online:  # target tokens/s beside the trainer's
+                online_progress(store, bar, last, tokens, t0)
             window.zero_()
             micro = 0
         stop = False

@@ -86,7 +86,7 @@ class Validator:
         """Teacher-forced metrics over `records` (TokenizedRecord-like: input_ids, loss_mask);
         engine_check: also run step 1 through the engine's paged attention and compare."""
         model, dev = self.loaded.model, head.rope_cos.device
-        aux_layers = list(head.cfg.aux_layers) if head.cfg.type == "eagle3" else []
+        aux_layers = list(head.cfg.aux_layers) if head.cfg.reads_aux else []
         total = None
         diffs = []
         engine_stats = torch.zeros(3)
@@ -102,7 +102,7 @@ class Validator:
             with autocast():  # the head only: the target's states are the engine's, as in precompute
                 _, stats = head(batch)
                 total = stats.float().cpu() if total is None else total + stats.float().cpu()
-                if not (head.uses_tokens and engine_check):
+                if not (head.uses_tokens and engine_check and head.drafting != "block"):
                     continue
                 first = head.first_hidden(hidden, aux)
                 feats = self._engine_step1(head, ids, first)

@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from inference_eval.engine.attention import BatchLayout, make_backend
+from inference_eval.engine.capture import CaptureSpec, HiddenCapture
 from inference_eval.engine.config import EngineConfig
 from inference_eval.engine.kv_cache import KVCache
 from inference_eval.engine.model.compiled import CompiledSteps
@@ -23,7 +24,7 @@ from inference_eval.engine.model.linear import openblas_threads, set_cpu_blas
 from inference_eval.engine.model.transformer import TransformerLM
 from inference_eval.engine.page_allocator import PageAllocator
 from inference_eval.engine.prompt_encoding import encode_prompt
-from inference_eval.engine.request import Request
+from inference_eval.engine.request import Request, Status
 from inference_eval.engine.sampling import SamplingParams, SamplingTensors, sample
 from inference_eval.engine.scheduler import ScheduledBatch, Scheduler
 from inference_eval.engine.threads import torch_threads
@@ -39,12 +40,18 @@ class GenerationResult:
     error: str | None = None
     num_preemptions: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    # With capture on (LLMEngine(capture=...)): states of prompt_ids + token_ids, hidden [L, H]
+    # pre final norm, aux [L, A, H] or None (inference_eval/engine/capture.py).
+    hidden: torch.Tensor | None = None
+    aux: torch.Tensor | None = None
 
 
 class LLMEngine:
     def __init__(self, model: TransformerLM, tokenizer=None, cfg: EngineConfig | None = None,
-                 lookahead: int = 0) -> None:
+                 lookahead: int = 0, capture: CaptureSpec | None = None) -> None:
         self.cfg = cfg or EngineConfig()
+        # capture: keep every processed row's hidden states per request (self-distillation).
+        self.capture = HiddenCapture(capture) if capture is not None else None
         self.model, self.tokenizer = model, tokenizer
         arch = model.arch
         self.device = next(model.parameters()).device
@@ -137,21 +144,41 @@ class LLMEngine:
                            device=self.device)
         plan = self.backend.plan(layout)
         last = torch.tensor(layout.cu_q()[1:], device=self.device) - 1
-        out = self.model(ids, plan, self.cache, logits_indices=last)
+        aux_layers = self.capture.aux_layers if self.capture is not None else ()
+        out = self.model(ids, plan, self.cache, logits_indices=last, aux_layers=aux_layers)
         st = SamplingTensors.from_params([r.params for r in batch.requests], self.device)
         tokens = sample(out.logits, st, self.generator).tolist()
         self.num_steps += 1
+        if self.capture is not None:
+            self._capture_rows(batch, out)
         for req, q, tok in zip(batch.requests, batch.q_lens, tokens):
+            if req.draining:  # the finished request's last token, run for its state only
+                req.num_cached += q
+                req.draining = False
+                req.status = Status.FINISHED
+                self.scheduler.free(req)
+                done.append(req)
+                continue
             req.prefill_steps += req.prefills(q)
             req.num_cached += q
             req.output_ids.append(tok)
             req.proposed.append(0)
             req.accepted.append(0)
             if req.check_stop(self.eos_ids):
+                if self.capture is not None and req.error is None:
+                    req.status, req.draining = Status.RUNNING, True  # one more row to capture
+                    continue
                 self.scheduler.free(req)
                 done.append(req)
         self.timing[phase] += time.perf_counter() - t0  # .tolist() above synchronized
         return done
+
+    def _capture_rows(self, batch: ScheduledBatch, out) -> None:
+        start = 0
+        for req, q in zip(batch.requests, batch.q_lens):
+            aux = None if out.aux is None else out.aux[start:start + q]
+            self.capture.add(req.id, req.num_cached, out.hidden[start:start + q], aux)
+            start += q
 
     # ---- batch API ----------------------------------------------------------------------
     def generate(self, prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams],
@@ -191,8 +218,9 @@ class LLMEngine:
         text = None
         if self.tokenizer is not None and req.output_ids:
             text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        hidden, aux = self.capture.pop(req.id) if self.capture is not None else (None, None)
         return GenerationResult(i, req.prompt_ids, list(req.output_ids), text, req.finish_reason,
-                                req.error, req.num_preemptions,
+                                req.error, req.num_preemptions, hidden=hidden, aux=aux,
                                 meta={"target_steps": len(req.accepted), "proposed": list(req.proposed),
                                       "accepted": list(req.accepted),
                                       "prefill_steps": req.prefill_steps})

@@ -35,6 +35,9 @@ class Request:
     # How many of those steps were prefills (the prompt, or its recompute after a
     # preemption): they verify nothing, so τ is taken over the other steps.
     prefill_steps: int = 0
+    # Finished, but its last token still runs one step so its hidden state is captured
+    # (LLMEngine with capture on; see inference_eval/engine/capture.py).
+    draining: bool = False
 
     @property
     def token_ids(self) -> list[int]:

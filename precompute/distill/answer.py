@@ -35,6 +35,8 @@ class _Dialogue:
     truncated: bool = False
     tokens: int = 0
     reject: tuple[str, str] | None = None  # (reason, detail) when stopped at the first turn
+    # The last answered turn: its prompt messages and GenerationResult (captured states).
+    last: tuple[list[dict], object] | None = None
 
     def stop(self, reason: str, detail: str) -> None:
         self.open = False
@@ -50,10 +52,14 @@ def _start(prompt: Conversation, turns: str) -> _Dialogue:
 
 
 def answer_batch(engine: LLMEngine, prompts: Sequence[Conversation], params: SamplingParams,
-                 turns: str, source: str) -> tuple[list[dict], list[dict]]:
+                 turns: str, source: str, last: dict | None = None
+                 ) -> tuple[list[dict], list[dict]]:
     """Answer `prompts` (Conversations of user turns, see data.load_prompts).
 
     turns: "first" or "all". source: the data source written into every conversation row.
+    last: when given, filled with id -> (prompt messages, GenerationResult) of each kept
+    conversation's last answered turn (whose request holds the whole chat; with an engine
+    that captures, its hidden states: precompute/capture.py).
     Returns (conversation rows {"id", "messages", "truncated", "source", "generated_tokens"},
     reject rows {"id", "reason", "detail", "generated_tokens"}), each in prompt order.
     """
@@ -84,6 +90,7 @@ def answer_batch(engine: LLMEngine, prompts: Sequence[Conversation], params: Sam
                                      f"({len(res.token_ids)} tokens, {res.finish_reason})")
             else:
                 d.messages = messages + [{"role": "assistant", "content": res.text}]
+                d.last = (messages, res)
                 if res.finish_reason in CUT:
                     d.truncated = True
                     d.open = False
@@ -96,4 +103,6 @@ def answer_batch(engine: LLMEngine, prompts: Sequence[Conversation], params: Sam
         else:
             kept.append({"id": d.prompt.id, "messages": d.messages, "truncated": d.truncated,
                          "source": source, "generated_tokens": d.tokens})
+            if last is not None:
+                last[d.prompt.id] = d.last
     return kept, rejected

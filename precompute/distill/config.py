@@ -39,6 +39,10 @@ class DistillConfig:
     sampling: temperature 0 (default) is greedy; max_new_tokens caps each answer, and an
     answer cut there is written with `truncated: true`.
     engine.max_batch_size: prompts per engine call (one batch, one fsync of the output).
+    shards_dir: also write training shards there, in the same pass: the hidden states the
+    engine computed while generating (precompute/capture.py), no second prefill over prompt +
+    answer. hidden_dtype, aux, shard_tokens: as precompute's keys; records are cut at
+    data.max_length. None (default) writes conversations only.
     """
 
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -49,8 +53,19 @@ class DistillConfig:
     turns: str = "first"
     overwrite: bool = False
     progress: bool = True
+    shards_dir: str | None = None
+    hidden_dtype: str = "bfloat16"
+    aux: str = "none"
+    shard_tokens: int = 262144
 
     def __post_init__(self) -> None:
+        from precompute.config import HIDDEN_DTYPES, aux_layer_ids
+
+        if self.hidden_dtype not in HIDDEN_DTYPES:
+            raise ValueError(f"hidden_dtype={self.hidden_dtype!r}: use one of {HIDDEN_DTYPES}")
+        if self.shard_tokens < 1:
+            raise ValueError(f"shard_tokens must be >= 1, got {self.shard_tokens}")
+        aux_layer_ids(self.aux, num_layers=1 << 20)  # syntax now; range once L is known
         if self.turns not in TURNS:
             raise ValueError(f"turns={self.turns!r}: use one of {TURNS}")
         if not isinstance(self.output_dir, str) or not self.output_dir:

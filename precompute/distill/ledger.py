@@ -72,6 +72,11 @@ class DistillLedger:
     def mine(self) -> list[int]:
         return [i for i in range(len(self.prompts)) if i % self.world == self.rank]
 
+    def fixed_batches(self, batch_size: int) -> list[tuple[int, list[int]]]:
+        """(first prompt index, every prompt index) of each of this rank's fixed batches."""
+        mine = self.mine()
+        return [(mine[j], mine[j:j + batch_size]) for j in range(0, len(mine), batch_size)]
+
     def batches(self, batch_size: int) -> list[tuple[int, list[int]]]:
         """(first prompt index of the fixed batch, its prompt indices still to answer) for
         this rank's batches with something left to answer."""
