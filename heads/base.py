@@ -41,6 +41,10 @@ class DraftHead(nn.Module):
     # A reduced vocabulary (head.draft_vocab_size) keeps V_draft rows of the lm_head: EAGLE-3
     # trains its own copy of them; the other heads use the target's frozen rows as they are.
     trains_draft_lm_head = False
+    # How the engine drafts with the head (inference_eval/evaluation/engines.py picks the
+    # drafter): "chain" one step per draft, "parallel" all K steps of a round in one pass
+    # (P-EAGLE), "block" one non-causal block pass (DFlash).
+    drafting = "chain"
 
     def __init__(self, cfg: HeadConfig, parts: FrozenParts,
                  draft_vocab: torch.Tensor | None = None) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-HEAD_TYPES = ("mtp", "eagle1", "eagle3", "medusa")
+HEAD_TYPES = ("mtp", "eagle1", "eagle3", "medusa", "dflash")
+POSITION_WEIGHTS = ("decay", "dpace")
 HIDDEN_INPUTS = ("pre_norm", "post_norm")
 # Keys stored under an older name in head checkpoints and export stamps: old -> new.
 RENAMED_KEYS = {"temperature": "distill_temperature"}
@@ -17,6 +18,17 @@ def eagle3_aux_layers(num_layers: int) -> list[int]:
     the choice of the EAGLE-3 reference and the engines that serve it). Clamped into range so
     tiny test models (L < 8) still get valid, distinct ids."""
     return sorted({min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4)})
+
+
+def mask_token(cfg: "HeadConfig", vocab_size: int) -> int:
+    """The mask token of a block drafter: head.mask_token_id, or the target's last vocabulary
+    id (a reserved or rare token in the vocabularies we serve; the frozen embedding gives it
+    a fixed row either way)."""
+    mask = vocab_size - 1 if cfg.mask_token_id is None else cfg.mask_token_id
+    if not 0 <= mask < vocab_size:
+        raise ValueError(f"head.mask_token_id={mask} is outside the target vocabulary "
+                         f"(0..{vocab_size - 1})")
+    return mask
 
 
 @dataclass
@@ -38,6 +50,15 @@ class HeadConfig:
     moe: the mtp head's decoder layer is a mixture-of-experts layer with the target's expert
       shapes and routing (DeepSeek-V3/R1's own MTP layer is one); needs a target with routed
       experts. False (default): a dense SwiGLU MLP of the target's intermediate_size.
+    Block drafters (docs/block_drafters.md):
+    num_layers: dflash's decoder layers (the other heads have one).
+    mask_token_id: the token filling a block's draft positions (dflash, and eagle3 with
+      parallel_drafting); None = the target's last vocabulary id.
+    parallel_drafting: eagle3 only (P-EAGLE): steps 2..K read the mask token and a learned
+      mask hidden state instead of the previous draft, so one pass drafts all K.
+    position_weights: dflash's per-position loss weights, "decay" (exp(-(k-1)/decay_gamma))
+      or "dpace" (D-PACE confidence weights, smoothed by dpace_alpha).
+    anchors_per_seq: dflash blocks trained per sequence (random anchors, at most this many).
     """
 
     type: str = "mtp"
@@ -51,6 +72,13 @@ class HeadConfig:
     hidden_input: str = "pre_norm"
     hidden_noise: float = 0.0
     moe: bool = False
+    num_layers: int = 1
+    mask_token_id: int | None = None
+    parallel_drafting: bool = False
+    position_weights: str = "decay"
+    decay_gamma: float = 4.0
+    dpace_alpha: float = 0.5
+    anchors_per_seq: int = 64
 
     def __post_init__(self) -> None:
         if self.type not in HEAD_TYPES:
@@ -80,6 +108,33 @@ class HeadConfig:
             raise ValueError(f"head.hidden_noise must be >= 0, got {self.hidden_noise}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"head.draft_vocab_size must be >= 1 or null, got {self.draft_vocab_size}")
+        self._check_block_keys()
+
+    def _check_block_keys(self) -> None:
+        if self.num_layers < 1 or (self.num_layers != 1 and self.type != "dflash"):
+            raise ValueError(f"head.num_layers={self.num_layers}: must be >= 1, and only "
+                             f"head.type=dflash has more than one layer (head.type={self.type!r})")
+        if self.parallel_drafting and self.type != "eagle3":
+            raise ValueError(f"head.parallel_drafting=true is P-EAGLE, an eagle3 head; "
+                             f"head.type={self.type!r}")
+        if self.position_weights not in POSITION_WEIGHTS:
+            raise ValueError(f"head.position_weights={self.position_weights!r}: use one of "
+                             f"{POSITION_WEIGHTS}")
+        if self.decay_gamma <= 0 or not 0 <= self.dpace_alpha <= 1:
+            raise ValueError(f"head.decay_gamma must be > 0 and head.dpace_alpha in [0, 1], got "
+                             f"{self.decay_gamma}, {self.dpace_alpha}")
+        if self.anchors_per_seq < 1:
+            raise ValueError(f"head.anchors_per_seq must be >= 1, got {self.anchors_per_seq}")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ValueError(f"head.mask_token_id must be >= 0 or null, got {self.mask_token_id}")
+        if self.type == "dflash" and self.feature_loss_weight > 0:
+            raise ValueError("head.feature_loss_weight must be 0 for head.type=dflash (its "
+                             "block rows feed no next step)")
+
+    @property
+    def reads_aux(self) -> bool:
+        """Whether the head reads the target's auxiliary layers (EAGLE-3, DFlash)."""
+        return self.type in ("eagle3", "dflash")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "HeadConfig":

@@ -8,13 +8,20 @@
 With draft_vocab_size set, the head has its own lm_head over the V_draft most frequent
 loss-masked target tokens (t2d: target ids kept; d2t: draft id -> target id), initialized as
 a copy of the target lm_head's rows for those tokens (`init_parameter`).
+
+P-EAGLE (head.parallel_drafting): steps k >= 2 read the mask token and g = fc(mask_hidden),
+a learned [A*H] stand-in for the target's states, instead of x_{t+k} and the previous step's
+output. Step k still attends, causally by depth, to steps 1..k-1 at its position (the same
+rollout attention), so a round's K drafts need no draft token: the engine runs them in one
+pass (engine/speculative/block_drafters.py), and training fits every depth in one rollout.
 """
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from heads.base import DraftHead
-from heads.config import HeadConfig
+from heads.config import HeadConfig, mask_token
 from heads.frozen import FrozenParts
 from inference_eval.engine.model.layers import DecoderLayer, RMSNorm
 from inference_eval.engine.model.linear import Linear
@@ -35,6 +42,13 @@ class Eagle3Head(DraftHead):
         self.hidden_norm = RMSNorm(h, a.rms_norm_eps)
         self.layer = DecoderLayer(a, 0, input_norm=False, attn_in_features=2 * h)
         self.final_norm = RMSNorm(h, a.rms_norm_eps)
+        if cfg.parallel_drafting:
+            self.mask_id = mask_token(cfg, a.vocab_size)
+            self.mask_hidden = nn.Parameter(parts.lm_head.new_empty(n_aux * h))
+
+    @property
+    def drafting(self) -> str:
+        return "parallel" if self.cfg.parallel_drafting else "chain"
 
     def first_hidden(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
         if aux is None:
@@ -43,7 +57,12 @@ class Eagle3Head(DraftHead):
 
     def step(self, tokens: torch.Tensor, hidden_in: torch.Tensor, ctx,
              k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer serves every draft step, so k is not read."""
+        """One layer serves every draft step; k >= 2 of a P-EAGLE head reads the mask token
+        and fc(mask_hidden) instead of tokens and hidden_in."""
+        if k > 1 and self.cfg.parallel_drafting:
+            tokens = torch.full_like(tokens, self.mask_id)
+            g = self.fc(self.mask_hidden.to(self.fc.weight.dtype).unsqueeze(0))
+            hidden_in = g.expand(tokens.shape[0], -1).contiguous()
         x = torch.cat([self.input_norm(self.embed_tokens(tokens)), self.hidden_norm(hidden_in)], -1)
         o = self.layer(x, ctx, residual=hidden_in)
         return o, self.final_norm(o)

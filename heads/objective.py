@@ -46,6 +46,20 @@ class ObjectiveHead(SteppingHead, Protocol):
 STATS = 8  # columns of the per-step stats (module docstring)
 
 
+def chain_step(rows: torch.Tensor, w: torch.Tensor, chain_match: torch.Tensor | None,
+               chain_beta: torch.Tensor | None):
+    """One draft step's chain statistics. rows [N, 2]: per row (top-1 match, the target's
+    probability of the draft's choice); w [N]: row weights; chain_*: the previous step's
+    products (None at step 1). Returns (chain_match, chain_beta) [N] and the conditional
+    sums [4]: (all steps matched, earlier steps matched, survival, earlier survival)."""
+    match, beta = rows[:, 0] * w, rows[:, 1] * w
+    prior_m = w if chain_match is None else chain_match * w
+    prior_b = w if chain_beta is None else chain_beta * w
+    chain_match, chain_beta = prior_m * match, prior_b * beta
+    cond = torch.stack([chain_match.sum(), prior_m.sum(), chain_beta.sum(), prior_b.sum()])
+    return chain_match, chain_beta, cond
+
+
 def head_objective(head: ObjectiveHead, batch: PackedBatch, chunk: int = 1024,
                    naive: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (loss, stats [K, STATS])."""
@@ -75,11 +89,7 @@ def head_objective(head: ObjectiveHead, batch: PackedBatch, chunk: int = 1024,
         else:
             ce, m, rows = soft_ce(out.features, head.lm_head_weight, y, w_target, row_w, None,
                                   cfg.distill_temperature, chunk, with_rows=True)
-        match, beta = rows[:, 0] * row_w, rows[:, 1] * row_w
-        prior_m = row_w if chain_match is None else chain_match * row_w
-        prior_b = row_w if chain_beta is None else chain_beta * row_w
-        chain_match, chain_beta = prior_m * match, prior_b * beta
-        cond = torch.stack([chain_match.sum(), prior_m.sum(), chain_beta.sum(), prior_b.sum()])
+        chain_match, chain_beta, cond = chain_step(rows, row_w, chain_match, chain_beta)
         loss_k = cfg.ce_loss_weight * ce / n_valid
         if cfg.feature_loss_weight > 0:
             with torch.no_grad():

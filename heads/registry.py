@@ -6,13 +6,15 @@ import torch
 
 from heads.base import DraftHead
 from heads.config import HeadConfig
+from heads.dflash import DFlashHead
 from heads.eagle1 import Eagle1Head
 from heads.eagle3 import Eagle3Head
 from heads.frozen import FrozenParts
 from heads.medusa import MedusaHead
 from heads.mtp import MTPHead
 
-HEADS = {"mtp": MTPHead, "eagle1": Eagle1Head, "eagle3": Eagle3Head, "medusa": MedusaHead}
+HEADS = {"mtp": MTPHead, "eagle1": Eagle1Head, "eagle3": Eagle3Head, "medusa": MedusaHead,
+         "dflash": DFlashHead}
 
 
 def build_head(cfg: HeadConfig, parts: FrozenParts, draft_vocab: torch.Tensor | None = None,

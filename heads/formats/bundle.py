@@ -196,8 +196,12 @@ def refuse_unused(tensors: dict[str, torch.Tensor], source: str, fmt: str) -> No
                          "importer does not support")
 
 
-def check_compatible(arch: ModelArch, target: ModelArch, source: str) -> None:
+def check_compatible(arch: ModelArch, target: ModelArch, source: str,
+                     ignore: tuple[str, ...] = ()) -> None:
+    """ignore: fields the head sets itself (a dflash head's layers always have q/k norms)."""
     for f in _SHAPE_FIELDS:
+        if f in ignore:
+            continue
         mine, theirs = getattr(arch, f), getattr(target, f)
         if mine != theirs:
             raise ValueError(f"{source}: the head has {f}={mine}, but the target has "

@@ -120,6 +120,9 @@ def our_aux_ids(engine_ids: list[int] | None, source: str) -> list[int]:
 
 
 def export(bundle: HeadBundle, out: Path, verifier: str | None = None) -> Path:
+    if bundle.cfg.parallel_drafting:
+        raise ValueError("format 'eagle3' has no P-EAGLE variant (mask_hidden); export a "
+                         "head.parallel_drafting head to format 'speculators' (peagle)")
     check_expressible(bundle, NAME)
     tensors = to_tensors(bundle, LAYER_PREFIX)
     reduced = "lm_head.weight" in tensors

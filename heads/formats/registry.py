@@ -100,5 +100,6 @@ def foreign_head_config(path: Path, cfg: dict[str, Any]) -> dict[str, Any] | Non
     fmt = detect_format(path, cfg)
     if fmt is None or fmt == specheads.NAME:
         return None
-    kind = FORMATS[fmt].HEAD_TYPES[0]
+    module = FORMATS[fmt]
+    kind = module.head_type(cfg) if hasattr(module, "head_type") else module.HEAD_TYPES[0]
     return {"format": fmt, "head": {"type": kind}, "target": cfg.get("specheads_target") or {}}

@@ -107,7 +107,8 @@ def head_from_state(cfg: HeadConfig, state: dict[str, torch.Tensor], parts: Froz
 def to_head(bundle: HeadBundle, parts: FrozenParts) -> DraftHead:
     """Put a bundle (any format, read without the target) on the target's frozen parts -> a
     DraftHead ready to evaluate or train."""
-    check_compatible(bundle.arch, parts.arch, bundle.source)
+    check_compatible(bundle.arch, parts.arch, bundle.source,
+                     ignore=("qk_norm",) if bundle.cfg.type == "dflash" else ())
     for what, mine, theirs in (("embed_tokens", bundle.embed, parts.embed),
                                ("lm_head", bundle.lm_head, parts.lm_head)):
         if mine is not None and not torch.equal(mine.to(theirs.dtype), theirs):

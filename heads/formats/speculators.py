@@ -1,4 +1,5 @@
-"""The `speculators` format vLLM loads (`--speculative-config '{"model": DIR}'`): EAGLE-3 heads.
+"""The `speculators` format vLLM loads (`--speculative-config '{"model": DIR}'`): EAGLE-3 heads,
+and the block drafters DFlash and P-EAGLE (speculators_block.py).
 
     config.json        speculators_model_type "eagle3", speculators_config {algorithm,
                        proposal_methods [greedy, speculative_tokens = our num_steps],
@@ -13,16 +14,18 @@ FastMTP Qwen3 layer, which feeds normed states between steps), so they are refus
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import heads.formats.eagle3 as eagle3
+import heads.formats.speculators_block as block
 from heads.formats.bundle import (HeadBundle, arch_from_config, cfg_from_stamp, dtype_name,
                                  head_stamp, llama_layer_config, read_config, read_tensors,
                                  target_stamp, write_dir)
 
 NAME = "speculators"
-HEAD_TYPES = ("eagle3",)
+HEAD_TYPES = ("eagle3", "dflash")
 LAYER_PREFIX = "layers.0."
 # The speculators release whose Eagle3DraftModel the real-client test loads our export with.
 SPECULATORS_VERSION = "0.9.0"
@@ -38,6 +41,16 @@ def default_verifier(bundle: HeadBundle) -> str | None:
 
 
 def export(bundle: HeadBundle, out: Path, verifier: str | None = None) -> Path:
+    """eagle3 -> "eagle3" (or "peagle" with head.parallel_drafting), dflash -> "dflash"."""
+    verifier = verifier or default_verifier(bundle)
+    if bundle.cfg.type == "dflash":
+        return block.export_dflash(bundle, out, verifier)
+    if bundle.cfg.parallel_drafting:
+        return block.export_peagle(bundle, out, verifier, _export_eagle3)
+    return _export_eagle3(bundle, out, verifier)
+
+
+def _export_eagle3(bundle: HeadBundle, out: Path, verifier: str | None) -> Path:
     eagle3.check_expressible(bundle, NAME)
     tensors = eagle3.to_tensors(bundle, LAYER_PREFIX)
     a = bundle.arch
@@ -73,13 +86,21 @@ def detect(cfg: dict[str, Any]) -> bool:
     return "speculators_model_type" in cfg
 
 
+def head_type(cfg: dict[str, Any]) -> str:
+    """Our head type of a speculators config."""
+    return "dflash" if cfg.get("speculators_model_type") == "dflash" else "eagle3"
+
+
 def read(path: Path) -> HeadBundle:
     cfg = read_config(path)
     src = str(path)
     kind = cfg.get("speculators_model_type")
-    if kind != "eagle3":
-        raise ValueError(f"{src}: speculators model type {kind!r}; only 'eagle3' maps onto our "
-                         "heads (head.type=eagle3)")
+    if kind == "dflash":
+        return block.read_dflash(path, cfg)
+    if kind not in ("eagle3", "peagle"):
+        raise ValueError(f"{src}: speculators model type {kind!r}; 'eagle3', 'peagle' and "
+                         "'dflash' map onto our heads (head.type=eagle3, eagle3 with "
+                         "head.parallel_drafting, dflash)")
     on = [f for f in _UNSUPPORTED_FLAGS if cfg.get(f)]
     if on:
         raise ValueError(f"{src}: {on} set; our eagle3 head has no such variant")
@@ -100,5 +121,14 @@ def read(path: Path) -> HeadBundle:
                        aux_layers=eagle3.our_aux_ids(cfg.get("eagle_aux_hidden_state_layer_ids"),
                                                      src)),
         arch, cfg.get("specheads_target") or {"name": verifier, "path": verifier}, {}, src)
-    eagle3.from_tensors(read_tensors(path), LAYER_PREFIX, bundle, NAME, cfg.get("draft_vocab_size"))
+    tensors = read_tensors(path)
+    if kind == "peagle":  # EAGLE-3 plus the mask hidden state its steps 2..K read
+        mask_hidden = tensors.pop("mask_hidden", None)
+        if mask_hidden is None:
+            raise ValueError(f"{src}: a peagle head without mask_hidden")
+    eagle3.from_tensors(tensors, LAYER_PREFIX, bundle, NAME, cfg.get("draft_vocab_size"))
+    if kind == "peagle":
+        bundle.state["mask_hidden"] = mask_hidden.reshape(-1)
+        bundle.cfg = replace(bundle.cfg, parallel_drafting=True,
+                             mask_token_id=cfg.get("mask_token_id"))
     return bundle

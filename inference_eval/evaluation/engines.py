@@ -1,6 +1,7 @@
 """Building the engine a run asks for: the autoregressive baseline, or a speculative engine
 with a head checkpoint (ours or a foreign format: MTP/EAGLE heads as `HeadDrafter`, Medusa
-heads as `MedusaDrafter`) or a small LLM as its drafter. This is where heads meet the engine;
+heads as `MedusaDrafter`, block heads (DFlash, P-EAGLE: `head.drafting`) as the block drafters
+of engine/speculative/block_drafters.py) or a small LLM as its drafter. This is where heads meet the engine;
 the engine itself never imports heads."""
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from heads.checkpoint import load_head, read_head_config
 from heads.frozen import FrozenParts
 from inference_eval.engine.config import EngineConfig
 from inference_eval.engine.llm_engine import LLMEngine
+from inference_eval.engine.speculative.block_drafters import (BlockContextDrafter,
+                                                              ParallelHeadDrafter)
 from inference_eval.engine.speculative.drafters import HeadDrafter, LLMDrafter, MedusaDrafter
 from inference_eval.engine.speculative.lookup_drafter import LookupDrafter
 from inference_eval.engine.speculative.spec_engine import SpecEngine
@@ -43,6 +46,7 @@ def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg)
     if scheme == "tree" and kind != "head":
         raise ValueError("draft.scheme=tree needs draft=head (an MTP/EAGLE head); use "
                          "scheme=chain for draft=llm")
+    lookahead = None  # the engine's default: the K + 1 cache slots a round verifies
     if kind == "head":
         meta = read_head_config(draft_cfg.checkpoint)
         want, have = meta.get("target", {}).get("frozen_sha256"), loaded.identity.get("frozen_sha256")
@@ -60,6 +64,8 @@ def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg)
                 raise ValueError(f"draft.sync_free needs an MTP/EAGLE head; {draft_cfg.checkpoint} "
                                  "holds a Medusa head (no cache to catch up)")
             make = lambda pages, ps, dev, dt: MedusaDrafter(head, dev, dt)  # noqa: E731
+        elif head.drafting != "chain":  # a block drafter: one draft pass per round
+            make, lookahead = _block_drafter(head, draft_cfg, scheme)
         else:
             sync_free = getattr(draft_cfg, "sync_free", False)
             make = lambda pages, ps, dev, dt: HeadDrafter(head, pages, ps, dev, dt,  # noqa: E731
@@ -81,7 +87,24 @@ def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg)
         return TreeSpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.depth,
                               draft_cfg.topk, draft_cfg.total_tokens)
     return SpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.num_draft,
-                      min_confidence=getattr(draft_cfg, "min_confidence", 0.0))
+                      lookahead=lookahead, min_confidence=getattr(draft_cfg, "min_confidence", 0.0))
+
+
+def _block_drafter(head, draft_cfg, scheme: str):
+    """(drafter factory, cache lookahead) of a head that drafts a round in one pass: P-EAGLE
+    (drafting "parallel") or DFlash ("block"), whose block needs B cache slots per round."""
+    name = f"{draft_cfg.checkpoint} holds a {head.cfg.type!r} head drafting {head.drafting!r}"
+    if scheme == "tree":
+        raise ValueError(f"draft.scheme=tree: {name} (a round in one pass, no tree): use "
+                         "scheme=chain")
+    sync_free = getattr(draft_cfg, "sync_free", False)
+    if head.drafting == "parallel":
+        return (lambda pages, ps, dev, dt: ParallelHeadDrafter(  # noqa: E731
+            head, pages, ps, dev, dt, sync_free=sync_free)), None
+    if sync_free:
+        raise ValueError(f"draft.sync_free: {name}, which has no sync-free catch-up")
+    return ((lambda pages, ps, dev, dt: BlockContextDrafter(head, pages, ps, dev, dt)),  # noqa: E731
+            max(draft_cfg.num_draft, head.block_size - 1) + 1)
 
 
 @functools.lru_cache(maxsize=4)

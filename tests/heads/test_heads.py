@@ -8,21 +8,10 @@ import torch
 from heads.batch import PackedBatch
 from heads.checkpoint import load_head, save_head
 from heads.config import HeadConfig
-from heads.frozen import load_frozen
 from heads.objective import STATS
 from heads.loss import soft_ce, soft_ce_reference
 from heads.registry import build_head
 from heads.rollout import rollout, step_indices
-from inference_eval.engine.target import TargetConfig
-
-TINY = TargetConfig(name="tiny-test", source="random", path=None, seed=3, arch=dict(
-    vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-    num_kv_heads=2, head_dim=16, tie_word_embeddings=True))
-
-
-@pytest.fixture(scope="module")
-def parts():
-    return load_frozen(TINY)
 
 
 def _batch(lens=(9, 6), aux=True, seed=0):

@@ -9,24 +9,14 @@ import heads.objective as objective
 from heads.batch import PackedBatch
 from heads.checkpoint import load_head, save_head
 from heads.config import HeadConfig
-from heads.frozen import load_frozen
 from heads.registry import build_head
 from heads.rollout import rollout
 from heads.vocab import build_draft_vocab, vocab_coverage
 from inference_eval.engine.attention import BatchLayout
 from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
 from inference_eval.engine.speculative.drafters import HeadDrafter
-from inference_eval.engine.target import TargetConfig
 
-TINY = TargetConfig(name="tiny-test", source="random", path=None, seed=3, arch=dict(
-    vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-    num_kv_heads=2, head_dim=16, tie_word_embeddings=True))
 V_DRAFT = 40
-
-
-@pytest.fixture(scope="module")
-def parts():
-    return load_frozen(TINY)
 
 
 def _batch(n=23, seed=0):

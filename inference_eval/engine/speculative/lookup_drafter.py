@@ -83,7 +83,7 @@ class LookupDrafter(Drafter):
 
     # ---- a round ----------------------------------------------------------------------------
     def draft_lengths(self, reqs, n, ks):
-        out = []
+        out, model = [], []
         for r, k in zip(reqs, ks):
             ctx = self.contexts.get(r.id)
             if ctx is None:
@@ -97,7 +97,13 @@ class LookupDrafter(Drafter):
             elif self.inner is None:
                 out.append(0)
             else:
+                model.append(len(out))
                 out.append(k if self.model_draft is None else min(k, self.model_draft))
+        if model:  # the model's rows: its own say too (a block drafter needs room for a block)
+            got = self.inner.draft_lengths([reqs[i] for i in model], [n[i] for i in model],
+                                           [out[i] for i in model])
+            for i, k in zip(model, got):
+                out[i] = k
         return out
 
     def _one_hot(self, tokens: list[int]) -> torch.Tensor:

@@ -70,8 +70,8 @@ class SpecEngine(LLMEngine):
         self.drafter = make_drafter(self.allocator.num_pages, self.cfg.page_size, self.device, self.dtype)
         if self.drafter.max_steps is not None and max_accepted > self.drafter.max_steps:
             raise ValueError(f"draft.num_draft={max_accepted} is more than the {self.drafter.max_steps} "
-                             "draft steps this drafter has (a Medusa checkpoint has one head per "
-                             f"step): set draft.num_draft <= {self.drafter.max_steps}")
+                             "draft positions this drafter has (a Medusa checkpoint's heads, a "
+                             f"block drafter's block): set draft.num_draft <= {self.drafter.max_steps}")
         self.timing = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "catch_up": 0.0}
         self.counters = {"rounds": 0, "host_syncs": 0}  # device-to-host reads per round
         self._rows_seen: dict[tuple, _VerifyRows] = {}

@@ -1,0 +1,133 @@
+"""The training objective of DFlash blocks, with the chain heads' stats (heads/objective.py).
+
+Anchors: a position a of a sequence (length n) can anchor a block when its first label exists
+and counts: a + 1 < n and loss_mask[a + 1]. Training draws up to head.anchors_per_seq of them
+per sequence at random (the global generator, seeded by training); eval mode (validation)
+takes every one, so its numbers do not depend on a draw.
+
+Block row k = 1..K of the anchor at global index g predicts x_{g+k} with the soft label
+p_{g+k-1} (heads/dflash.py's table), valid when it lies inside the sequence and
+loss_mask[g+k]. Row k of every block is "step k" of the stats, so summarize() reports α_k,
+τ_exp and the rest exactly as for a chain (a block's drafts are judged as a chain).
+
+Position weights (head.position_weights):
+  decay: w_k = exp(-(k-1) / decay_gamma) (DFlash), one scalar per position;
+  dpace: D-PACE's per-block weights, w_k = Σ_{j>=k valid} Π_{i<=j} s_i with
+         s_i = (1 - dpace_alpha) exp(-CE_i) + dpace_alpha (the draft's smoothed confidence,
+         no gradient): a position counts as much as the accepted run it can still extend.
+The stats' loss_k is the position's mean CE (decay) or its mean weighted CE (dpace).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from heads.batch import PackedBatch
+from heads.loss import soft_ce, soft_ce_reference
+from heads.objective import chain_step
+
+
+def anchor_candidates(batch: PackedBatch) -> torch.Tensor:
+    """bool [N]: which packed positions can anchor a block (see the module docstring)."""
+    n_tok, dev = batch.input_ids.shape[0], batch.input_ids.device
+    lens = torch.tensor(batch.seq_lens, device=dev)
+    starts = torch.cumsum(lens, 0) - lens
+    local = torch.arange(n_tok, device=dev) - starts.repeat_interleave(lens)
+    seq_len = lens.repeat_interleave(lens)
+    nxt = batch.loss_mask[(torch.arange(n_tok, device=dev) + 1).clamp(max=n_tok - 1)].bool()
+    return (local + 1 < seq_len) & nxt
+
+
+def sample_anchors(batch: PackedBatch, per_seq: int | None) -> torch.Tensor:
+    """Anchors [J] int64 (global packed indices, ascending): up to per_seq random candidates
+    of each sequence, or every candidate when per_seq is None."""
+    ok = anchor_candidates(batch)
+    if per_seq is None:
+        return ok.nonzero().flatten()
+    picked, start = [], 0
+    for n in batch.seq_lens:
+        cand = ok[start:start + n].nonzero().flatten() + start
+        if cand.numel() > per_seq:
+            keep = torch.randperm(cand.numel(), device=cand.device)[:per_seq]
+            cand = cand[keep.sort().values]
+        picked.append(cand)
+        start += n
+    return torch.cat(picked)
+
+
+def block_labels(batch: PackedBatch, anchors: torch.Tensor,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row k of each block: (label rows [J], the index of h_{g+k-1}; valid [J] bool)."""
+    n_tok, dev = batch.input_ids.shape[0], anchors.device
+    lens = torch.tensor(batch.seq_lens, device=dev)
+    ends = torch.cumsum(lens, 0).repeat_interleave(lens)  # [N] one past each token's sequence
+    label = anchors + k
+    inside = label < ends[anchors]
+    valid = inside & batch.loss_mask[label.clamp(max=n_tok - 1)].bool()
+    return (anchors + k - 1).clamp(max=n_tok - 1), valid
+
+
+@torch.no_grad()
+def _row_ce(x, w, y_normed, w_target, t2d, temperature, chunk) -> torch.Tensor:
+    """Per-row soft CE [n] (no gradient), chunked over rows: D-PACE's confidence input."""
+    out = []
+    for s in range(0, x.shape[0], chunk):
+        logq = torch.log_softmax((x[s:s + chunk] @ w.t()).float() / temperature, -1)
+        zp = (y_normed[s:s + chunk] @ w_target.t()).float() / temperature
+        p = torch.softmax(zp if t2d is None else zp[:, t2d], -1)
+        out.append(-(p * logq).sum(-1))
+    return torch.cat(out) if out else x.new_zeros(0)
+
+
+def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """ce, valid [J, K] -> D-PACE weights [J, K] (0 where invalid)."""
+    m = valid.float()
+    smooth = torch.where(valid, (1 - alpha) * torch.exp(-ce.float()) + alpha, torch.ones_like(m))
+    prefix = torch.cumprod(smooth, dim=-1)
+    return torch.flip(torch.cumsum(torch.flip(prefix * m, [-1]), -1), [-1]) * m
+
+
+def block_objective(head, batch: PackedBatch, chunk: int = 1024,
+                    naive: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """head: a heads.dflash.DFlashHead -> (loss, stats [K, STATS]) as head_objective's."""
+    cfg, k_max = head.cfg, head.block_size - 1
+    anchors = sample_anchors(batch, cfg.anchors_per_seq if head.training else None)
+    if anchors.numel() == 0:  # no label in the batch: one block whose rows are all invalid,
+        anchors = anchors.new_zeros(1)  # so the loss is 0 and still reaches every weight
+    total = batch.hidden.new_zeros((), dtype=torch.float32)
+    feats = head.train_blocks(batch.aux, batch.seq_lens, batch.input_ids, anchors)
+    with torch.no_grad():
+        y_all = head.frozen.norm(batch.hidden)
+    w_target, d2t = head.frozen.weight, head.draft_to_target()
+    if d2t is not None:  # the target's law renormalized over the draft vocabulary
+        w_target = w_target.index_select(0, d2t)
+    labels = [block_labels(batch, anchors, k) for k in range(1, k_max + 1)]
+    weights = None
+    if cfg.position_weights == "dpace":
+        ce = torch.stack([_row_ce(feats[:, k].detach(), head.lm_head_weight.detach(),
+                                  y_all.index_select(0, rows), w_target, None,
+                                  cfg.distill_temperature, chunk)
+                          for k, (rows, _) in enumerate(labels, 1)], -1)
+        weights = dpace_weights(ce, torch.stack([v for _, v in labels], -1), cfg.dpace_alpha)
+    stats, chain_match, chain_beta = [], None, None
+    for k, (rows, valid) in enumerate(labels, 1):
+        row_w = valid.float() if weights is None else weights[:, k - 1]
+        n_valid = valid.float().sum().clamp(min=1.0)
+        x, y = feats[:, k], y_all.index_select(0, rows)
+        if naive:
+            ce = soft_ce_reference(x, head.lm_head_weight, y, w_target, row_w, None,
+                                   cfg.distill_temperature)
+            with torch.no_grad():
+                _, m, per_row = soft_ce(x.detach(), head.lm_head_weight.detach(), y, w_target,
+                                        valid.float(), None, cfg.distill_temperature, chunk,
+                                        with_rows=True)
+        else:
+            ce, m, per_row = soft_ce(x, head.lm_head_weight, y, w_target, row_w, None,
+                                     cfg.distill_temperature, chunk, with_rows=True)
+        chain_match, chain_beta, cond = chain_step(per_row, valid.float(), chain_match, chain_beta)
+        loss_k = cfg.ce_loss_weight * ce / n_valid
+        scale = math.exp(-(k - 1) / cfg.decay_gamma) if weights is None else 1.0
+        total = total + scale * loss_k
+        stats.append(torch.cat([loss_k.detach().reshape(1).float(), m.float(), cond.detach()]))
+    return total, torch.stack(stats)

@@ -1,0 +1,132 @@
+"""Block drafters: one draft pass per round proposes all of its drafts, behind the same
+`Drafter` verbs the chain engine calls (drafters.py).
+
+`begin_round` runs the pass and returns d_1's law plus, as the round's `state`, the laws of
+d_2..d_K [L, K-1, V]; `step` s only hands out law s + 1 (the engine selects the state's rows
+of the requests still drafting, as for any drafter). The laws do not depend on the tokens
+drawn before them, so the engine still draws d_k from exactly the law q_k it passes to
+verification, and greedy and sampled verification stay lossless; the confidence cut
+(draft.min_confidence) reads the same laws.
+
+- `ParallelHeadDrafter`: a P-EAGLE head (heads/eagle3.py, parallel_drafting). Its cache and
+  refills are `HeadDrafter`'s (the head's index j holds (h_j, x_{j+1})); a round's steps
+  2..K are mask rows at head indices n..n+K-2, run as one causal pass of K-1 rows, which is
+  the chain of step calls they would be (no row reads a draft token).
+- `BlockContextDrafter`: a DFlash head (heads/dflash.py). Its own paged cache (one entry per
+  draft layer and verified position, on the target's page tables) holds the keys and values
+  of the injected context c_j, written at prefill and after each verification from the
+  target's aux states; a round writes its block [x_n, m, ..., m] at indices n..n+B-1 and
+  attends over [context ; block] with a tree mask of ones over the block (bidirectional
+  inside, causal to the context). Those block entries are scratch: verification's refill
+  overwrites the verified ones, the rest are never read before being rewritten.
+"""
+from __future__ import annotations
+
+import torch
+
+from inference_eval.engine.attention import BatchLayout
+from inference_eval.engine.kv_cache import KVCache
+from inference_eval.engine.model.transformer import StepContext
+from inference_eval.engine.speculative.drafters import Drafter, HeadDrafter, _HeadLogits
+
+
+class _PrecomputedLaws:
+    """step() of a drafter whose begin_round computed every law of the round."""
+
+    def step(self, reqs, n, s, tokens, state):
+        """state [L, K-1, V]: laws of d_2..d_K -> (state, the law of d_{s+1} [L, V])."""
+        return state, state[:, s - 1]
+
+
+class ParallelHeadDrafter(_PrecomputedLaws, HeadDrafter):
+    """A P-EAGLE head: d_1 from the refill's carry, d_2..d_K from one pass of mask rows."""
+
+    drafts_trees = False  # a tree's nodes would all read the same mask input
+
+    def draft_lengths(self, reqs, n, ks):
+        self.round_ks = {r.id: k for r, k in zip(reqs, ks)}
+        return list(ks)
+
+    def begin_round(self, reqs, n):
+        first = torch.stack([self.carry[r.id][1] for r in reqs])  # [L, V]
+        ks = [self.round_ks.get(r.id, 1) for r in reqs]
+        deep = [i for i, k in enumerate(ks) if k > 1]
+        laws = first.new_zeros(len(reqs), max(max(ks) - 1, 0), first.shape[-1])
+        if not deep:
+            return laws, first
+        # Step k of request i sits at head index n_i + k - 2: rows n_i .. n_i + K_i - 2.
+        q = [ks[i] - 1 for i in deep]
+        layout = self._layout([reqs[i] for i in deep], q, [n[i] + j for i, j in zip(deep, q)])
+        rows = sum(q)
+        tokens = torch.zeros(rows, dtype=torch.long, device=self.device)  # the head reads its mask
+        hidden = first.new_zeros(rows, self.head.arch.hidden_size).to(self.cache.k.dtype)
+        # Not through run(): its compiled steps and CUDA graphs are step 1's (k is not an input).
+        plan = self.backend.plan(layout)
+        ctx = StepContext(self.head.rope_cos[plan.positions], self.head.rope_sin[plan.positions],
+                          plan, self.cache)
+        logits = self._logits(self.head.step(tokens, hidden, ctx, k=2)[1])
+        start = 0
+        for i, m in zip(deep, q):
+            laws[i, :m] = logits[start:start + m]
+            start += m
+        return laws, first
+
+
+class BlockContextDrafter(_PrecomputedLaws, _HeadLogits, Drafter):
+    """A DFlash head: context keys/values in its own paged cache, one block pass per round."""
+
+    def __init__(self, head, num_pages: int, page_size: int, device, dtype) -> None:
+        self._setup(head, device, dtype)
+        self.page_size = page_size
+        self.cache = KVCache.for_arch(head.arch, num_pages, page_size, dtype, device)
+        self.aux_layers = list(head.cfg.aux_layers)
+        self.block = head.block_size
+        self.max_steps = self.block - 1
+
+    def draft_lengths(self, reqs, n, ks):
+        """A block needs cache indices n..n+B-1 inside the request's pages and the rotary
+        table; a request without that room drafts nothing this round (a plain decode step)."""
+        rope = self.head.rope_cos.shape[0]
+        return [min(k, self.block - 1) if len(r.pages) * self.page_size >= m + self.block
+                and m + self.block <= rope else 0 for r, m, k in zip(reqs, n, ks)]
+
+    def _write_context(self, aux: torch.Tensor, layout: BatchLayout) -> None:
+        """aux [T, A, H] of the layout's new tokens -> every draft layer's context keys and
+        values at their cache indices (the head's layer_context_kv)."""
+        head, dev = self.head, self.device
+        c = head.context(aux.to(self.cache.k.dtype))
+        pos, slots = layout.position_tensor(dev), layout.slot_mapping(dev)
+        for i in range(self.cache.k.shape[0]):
+            k, v = head.layer_context_kv(i, c, pos)
+            kc, vc = self.cache.layer(i)
+            kc.view(-1, *k.shape[1:]).index_copy_(0, slots, k.to(kc.dtype))
+            vc.view(-1, *v.shape[1:]).index_copy_(0, slots, v.to(vc.dtype))
+
+    def prefill(self, reqs, layout, plan, pending, sampled, out):
+        self._write_context(out.aux, layout)
+
+    def accept(self, reqs, n, accepted, emitted, out, rows):
+        if not reqs:
+            return
+        flat = torch.tensor([j for r in rows for j in r], device=out.aux.device)
+        layout = self._layout(reqs, [a + 1 for a in accepted],
+                              [m + a + 1 for m, a in zip(n, accepted)])
+        self._write_context(out.aux.index_select(0, flat), layout)
+
+    def begin_round(self, reqs, n):
+        b, L = self.block, len(reqs)
+        last = torch.tensor([r.token_ids[-1] for r in reqs], device=self.device)
+        ones = torch.ones(b, b, dtype=torch.bool, device=self.device)
+        layout = BatchLayout([b] * L, [m + b for m in n], [r.pages for r in reqs], self.page_size,
+                             tree_masks=[ones] * L)
+        plan = self.backend.plan(layout)
+        head = self.head
+        ctx = StepContext(head.rope_cos[plan.positions], head.rope_sin[plan.positions], plan,
+                          self.cache)
+        feats = head.block_features(head.block_tokens(last), ctx).view(L, b, -1)[:, 1:]
+        laws = self._logits(feats.reshape(L * (b - 1), -1)).view(L, b - 1, -1)
+        return laws[:, 1:], laws[:, 0]
+
+    def drop(self, rid):
+        pass
+

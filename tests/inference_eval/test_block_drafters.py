@@ -1,0 +1,218 @@
+"""Block drafters in the chain engine (DFlash: one non-causal block pass; P-EAGLE: one pass of
+mask steps): each round's drafts are the training forward's for the same prefix, greedy and
+sampled speculation stay lossless with heads fitted so that drafts are really accepted, and the
+engine refuses what a block drafter cannot do."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from heads.batch import PackedBatch
+from heads.checkpoint import save_head
+from heads.config import HeadConfig
+from heads.registry import build_head
+from heads.rollout import rollout
+from inference_eval.engine.attention import BatchLayout
+from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
+from inference_eval.engine.config import EngineConfig
+from inference_eval.engine.llm_engine import LLMEngine
+from inference_eval.engine.sampling import SamplingParams, SamplingTensors, processed_probs
+from inference_eval.engine.speculative.block_drafters import BlockContextDrafter, ParallelHeadDrafter
+from inference_eval.evaluation.engines import build_engine, frozen_parts_of
+from engine_cases import load_tiny, random_prompts
+from spec_stats import chi2_pvalue
+
+CFG = dict(attention="torch", page_size=4)
+AUX = [0, 1, 2]
+KINDS = {"dflash": dict(type="dflash", num_steps=3, num_layers=2),
+         "peagle": dict(type="eagle3", num_steps=3, parallel_drafting=True)}
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_hf):
+    return load_tiny(tiny_hf)
+
+
+def _states(loaded, ids: list[int], lens: list[int] | None = None):
+    """The target's (hidden [N, H], aux [N, A, H]) of packed sequences, as precompute stores them."""
+    lens = lens or [len(ids)]
+    out = loaded.model(torch.tensor(ids), TorchAttentionBackend().plan(BatchLayout.packed(lens)),
+                       None, compute_logits=False, aux_layers=AUX)
+    return out.hidden.float(), out.aux.float()
+
+
+def fit_block_head(loaded, seqs: list[list[int]], kind: str, steps: int = 60, lr: float = 3e-3):
+    """A block head fitted in seconds on `seqs` (prompt + the target's continuation), every
+    position a label, so the engine's drafts are accepted far above chance."""
+    ids = [t for s in seqs for t in s]
+    lens = [len(s) for s in seqs]
+    with torch.no_grad():
+        hidden, aux = _states(loaded, ids, lens)
+    head = build_head(HeadConfig(**KINDS[kind], aux_layers=AUX, anchors_per_seq=1000),
+                      frozen_parts_of(loaded), seed=0)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
+    batch = PackedBatch(torch.tensor(ids), hidden, torch.ones(len(ids), dtype=torch.bool), lens, aux)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        loss, _ = head(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return head.eval()
+
+
+def _ar(loaded, prompts, params):
+    eng = LLMEngine(loaded.model, None, EngineConfig(**CFG))
+    return [r.token_ids for r in eng.generate(prompts, params, progress=False)]
+
+
+def _engine(loaded, path, k=3, conf=0.0, **cfg):
+    return build_engine(loaded, EngineConfig(**CFG, **cfg), SimpleNamespace(
+        kind="head", checkpoint=str(path), num_draft=k, scheme="chain", min_confidence=conf))
+
+
+def _trained_laws(loaded, head, token_ids: list[int]) -> torch.Tensor:
+    """[K, V]: the training forward's laws of the drafts after `token_ids` (its last token
+    x_n has no target state yet), in the target vocabulary."""
+    n = len(token_ids)
+    hidden, aux = _states(loaded, token_ids)
+    ids = torch.tensor(token_ids)
+    with torch.no_grad():
+        if head.drafting == "block":  # the block anchored at x_n
+            feats = head.train_blocks(aux, [n], ids, torch.tensor([n - 1]))[0, 1:]
+        else:  # steps 1..K of the rollout at t = n - 2 (step 1 reads h_{n-2} and x_{n-1})
+            outs = rollout(head, PackedBatch(ids, hidden, torch.ones(n, dtype=torch.bool), [n], aux))
+            feats = torch.stack([o.features[n - 2] for o in outs])
+        return head.logits(feats).float()
+
+
+@pytest.mark.parametrize("kind", ["dflash", "peagle"])
+def test_engine_drafts_are_the_training_forwards(loaded, tmp_path, kind):
+    """After the prefill and after each round, the K laws one round drafts from equal the
+    training forward's (train_blocks / rollout) on the request's tokens so far."""
+    head = build_head(HeadConfig(**KINDS[kind], aux_layers=AUX), frozen_parts_of(loaded), seed=4)
+    with torch.no_grad():  # trained-looking weights: laws that depend on every input
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    save_head(head, tmp_path / "h")
+    eng = _engine(loaded, tmp_path / "h", head_code="none")
+    assert isinstance(eng.drafter, BlockContextDrafter if kind == "dflash" else ParallelHeadDrafter)
+    req = eng.add_request(random_prompts(1, 5, 20)[0], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    for _ in range(4):  # the prefill, then three rounds
+        eng.step()
+        n = [req.num_cached]
+        assert eng.drafter.draft_lengths([req], n, [3]) == [3]
+        state, first = eng.drafter.begin_round([req], n)
+        got = torch.cat([first, state[0]])
+        torch.testing.assert_close(got, _trained_laws(loaded, head, req.token_ids),
+                                   rtol=1e-4, atol=1e-4)
+    assert sum(req.proposed) > 0
+
+
+@pytest.fixture(scope="module")
+def fitted(loaded, tmp_path_factory):
+    """kind -> (checkpoint dir, prompts, AR outputs, median confidence): heads fitted on the
+    first 12 tokens of the target's greedy answers to these prompts. The tiny random target's
+    laws are nearly flat (top probabilities ~0.01 over 320 tokens), so a confidence cut sits
+    at the median of the head's own top probabilities."""
+    prompts = random_prompts(4, 13, 20, bos=None)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ar = _ar(loaded, prompts, params)
+    out = {}
+    for kind in KINDS:
+        head = fit_block_head(loaded, [p + a[:12] for p, a in zip(prompts, ar)], kind)
+        path = tmp_path_factory.mktemp(kind)
+        save_head(head, path)
+        tops = [torch.softmax(_trained_laws(loaded, head, p + a[:i]), -1).max(-1).values
+                for p, a in zip(prompts, ar) for i in (2, 8, 14)]
+        out[kind] = (path, prompts, ar, float(torch.cat(tops).median()))
+    return out
+
+
+@pytest.mark.parametrize("cut", [False, True])
+@pytest.mark.parametrize("kind", ["dflash", "peagle"])
+def test_greedy_is_lossless_with_accepted_drafts(loaded, fitted, kind, cut):
+    """Batched, with per-request lengths (K shrinks near max_new_tokens), with and without
+    the confidence cut: the autoregressive output, and drafts past the first accepted."""
+    path, prompts, _, median = fitted[kind]
+    conf = median if cut else 0.0
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (24, 9, 17, 5)]
+    out = _engine(loaded, path, conf=conf).generate(prompts, params, progress=False)
+    assert [r.token_ids for r in out] == _ar(loaded, prompts, params)
+    rounds = [(p, a) for r in out for p, a in zip(r.meta["proposed"][1:], r.meta["accepted"][1:])]
+    accepted = sum(a for _, a in rounds)
+    assert accepted > len(rounds) // (4 if cut else 2)  # really accepted (a random head: ~0)
+    assert any(a >= 2 for _, a in rounds)  # deeper drafts of a block accepted too
+    assert max(p for p, _ in rounds) <= 3
+    if conf > 0:
+        assert min(p for p, _ in rounds) < 3  # the cut ran
+
+
+@torch.no_grad()
+def _joint_first_three(model, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """[V, V, V] fp64: the target's exact law of the first three generated tokens."""
+    st, be, v = SamplingTensors.from_params([params]), TorchAttentionBackend(), model.arch.vocab_size
+
+    def law(ids):
+        lg = model(torch.tensor(ids), be.plan(BatchLayout.packed([len(ids)]))).logits[-1:]
+        return processed_probs(lg, st)[0].double()
+
+    joint = torch.zeros(v, v, v, dtype=torch.float64)
+    p1 = law(prompt)
+    for a in p1.nonzero().flatten().tolist():
+        p2 = law(prompt + [a])
+        for b in p2.nonzero().flatten().tolist():
+            joint[a, b] = p1[a] * p2[b] * law(prompt + [a, b])
+    return joint
+
+
+@pytest.mark.parametrize("kind", ["dflash", "peagle"])
+def test_sampled_is_lossless_with_accepted_block_drafts(loaded, fitted, kind):
+    """Temperature 0.8, top-k 4, K = 2: the first round after the prefill drafts d_1 and d_2
+    from one pass (d_2's law does not see d_1); the joint law of the first three tokens is the
+    target's, and both drafts were accepted in some rounds and rejected in others."""
+    path, prompts, _, _ = fitted[kind]
+    prompt = prompts[0]
+    params = SamplingParams(temperature=0.8, top_k=4, max_new_tokens=4, ignore_eos=True)
+    joint = _joint_first_three(loaded.model, prompt, params)
+    eng = _engine(loaded, path, k=2, max_batch_size=4096, seed=11)
+    trials = 3000
+    out = eng.generate([prompt] * trials, params, progress=False)
+    counts = torch.zeros_like(joint)
+    for r in out:
+        counts[tuple(r.token_ids[:3])] += 1
+    first_round = [r.meta["accepted"][1] for r in out]
+    assert all(r.meta["proposed"][1] == 2 for r in out)
+    assert 0 < first_round.count(2) < trials and 0 < first_round.count(0)
+    assert chi2_pvalue(counts, joint) > 1e-4
+
+
+def test_refusals(loaded, fitted):
+    path, prompts, _, _ = fitted["dflash"]
+    with pytest.raises(ValueError, match="num_draft=4 is more than the 3"):
+        _engine(loaded, path, k=4)
+    with pytest.raises(ValueError, match="scheme=tree.*'block'.*use scheme=chain"):
+        build_engine(loaded, EngineConfig(**CFG), SimpleNamespace(
+            kind="head", checkpoint=str(path), num_draft=3, scheme="tree", depth=3, topk=2,
+            total_tokens=6))
+    with pytest.raises(ValueError, match="sync_free"):
+        build_engine(loaded, EngineConfig(**CFG), SimpleNamespace(
+            kind="head", checkpoint=str(path), num_draft=3, scheme="chain", sync_free=True))
+    # A short block: K = 1 drafts one token per round through the same block pass.
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    out = _engine(loaded, path, k=1).generate(prompts[:2], params, progress=False)
+    assert [r.token_ids for r in out] == _ar(loaded, prompts[:2], params)
+    assert max(max(r.meta["proposed"]) for r in out) == 1
+
+
+def test_block_drafter_behind_lookup_keeps_its_lengths(loaded, fitted):
+    """draft.lookup: the lookup drafter asks the block drafter for its rows' lengths too."""
+    path, prompts, _, _ = fitted["dflash"]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    eng = build_engine(loaded, EngineConfig(**CFG), SimpleNamespace(
+        kind="head", checkpoint=str(path), num_draft=3, scheme="chain", lookup=True,
+        lookup_min_match=2, lookup_max_match=4, model_draft=None))
+    out = eng.generate(prompts, params, progress=False)
+    assert [r.token_ids for r in out] == _ar(loaded, prompts, params)
