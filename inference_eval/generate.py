@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,9 +61,20 @@ def read_prompts(path: str) -> list:
 def main(cfg: GenerateConfig) -> list:
     # Prompts first: a bad line fails in a second, not after loading the target.
     prompts = list(cfg.prompts) + (read_prompts(cfg.prompts_file) if cfg.prompts_file else [])
-    device = cfg.engine.resolve_device()
-    loaded = load_target(cfg.target, device=device)
-    engine = LLMEngine(loaded.model, loaded.tokenizer, cfg.engine)
+    if cfg.engine.tensor_parallel > 1:  # under torchrun: rank 0 generates, the others follow
+        from inference_eval.engine.parallel.runner import tensor_parallel_engine
+
+        tp = cfg.engine.tensor_parallel
+        if int(os.environ.get("WORLD_SIZE", tp)) != tp:
+            raise ValueError("generate runs one tensor-parallel replica: launch exactly "
+                             f"engine.tensor_parallel={tp} processes")
+        with tensor_parallel_engine(cfg.target, cfg.engine) as engine:
+            return [] if engine is None else _generate(engine, prompts, cfg)
+    loaded = load_target(cfg.target, device=cfg.engine.resolve_device())
+    return _generate(LLMEngine(loaded.model, loaded.tokenizer, cfg.engine), prompts, cfg)
+
+
+def _generate(engine: LLMEngine, prompts: list, cfg: GenerateConfig) -> list:
     t0 = time.perf_counter()
     results = engine.generate(prompts, cfg.sampling, chat=cfg.chat)
     dt = time.perf_counter() - t0

@@ -41,6 +41,10 @@ class EngineConfig:
     # On CUDA with FlashInfer attention: replay decode, chain-verification and draft steps as
     # CUDA graphs (model/cuda_graphs.py), each captured on first use; false runs them eagerly.
     cuda_graphs: bool = True
+    # Ranks per tensor-parallel replica (launch with torchrun; inference_eval/engine/parallel/),
+    # and the seconds a rank waits on the others before it stops with an error.
+    tensor_parallel: int = 1
+    tp_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:
@@ -57,6 +61,13 @@ class EngineConfig:
         if self.head_code != "none" and self.head_code not in CODE_FORMATS:
             raise ValueError(f"engine.head_code={self.head_code!r}: use none or one of "
                              f"{sorted(CODE_FORMATS)}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"engine.tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1 and self.compile:
+            raise ValueError("engine.compile=true is single-device: use it with "
+                             "engine.tensor_parallel=1")
+        if self.tp_timeout_s <= 0:
+            raise ValueError(f"engine.tp_timeout_s must be > 0, got {self.tp_timeout_s}")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"engine.kv_cache_gb must be > 0, got {self.kv_cache_gb}")
 

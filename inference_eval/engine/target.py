@@ -91,10 +91,8 @@ def target_hf_dir(cfg: TargetConfig) -> Path:
                                                                   "tokenizer*"]))
 
 
-def iter_safetensors(hf_dir: Path):
-    """Yield (name, lazy tensor getter) over single or sharded safetensors in hf_dir."""
-    from safetensors import safe_open
-
+def safetensors_files(hf_dir: Path) -> list[Path]:
+    """The single or sharded safetensors files of hf_dir (checked to exist)."""
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -103,9 +101,16 @@ def iter_safetensors(hf_dir: Path):
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {hf_dir}")
     for fname in files:
-        path = hf_dir / fname
-        if not path.is_file():
-            raise FileNotFoundError(f"weight shard {path} listed in the index is missing")
+        if not (hf_dir / fname).is_file():
+            raise FileNotFoundError(f"weight shard {hf_dir / fname} listed in the index is missing")
+    return [hf_dir / f for f in files]
+
+
+def iter_safetensors(hf_dir: Path):
+    """Yield (name, lazy tensor getter) over single or sharded safetensors in hf_dir."""
+    from safetensors import safe_open
+
+    for path in safetensors_files(hf_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, (lambda f=f, name=name: f.get_tensor(name))
