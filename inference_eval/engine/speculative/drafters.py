@@ -185,6 +185,8 @@ class HeadDrafter(_HeadLogits, Drafter):
     tables and cfg are used); the engine takes it as given and never imports heads."""
 
     drafts_trees = True
+    # (request ids, states [L, H], logits [L, V]) of the last refill, replaced by each refill
+    _refilled: tuple[list[int], torch.Tensor | None, torch.Tensor | None] = ([], None, None)
 
     def __init__(self, head: nn.Module, num_pages: int, page_size: int, device, dtype,
                  sync_free: bool = False) -> None:
@@ -237,6 +239,7 @@ class HeadDrafter(_HeadLogits, Drafter):
         last = nxt.index_select(0, rows)
         for j, rid in enumerate(rids):
             self.carry[rid] = (last[j], logits[j])
+        self._refilled = (list(rids), last, logits)
 
     def verified(self, reqs, plan, row_tokens, out, last_rows):
         self.refill([r.id for r in reqs], row_tokens, out.hidden, out.aux, plan, last_rows)
@@ -248,6 +251,9 @@ class HeadDrafter(_HeadLogits, Drafter):
                     out.hidden, out.aux, plan, _last_rows(layout))
 
     def begin_round(self, reqs, n):
+        rids, last, logits = self._refilled
+        if [r.id for r in reqs] == rids:  # the batch the last refill served, in its order:
+            return last, logits  # its rows as they are (stacking [L, V] logits costs a copy)
         return (torch.stack([self.carry[r.id][0] for r in reqs]),
                 torch.stack([self.carry[r.id][1] for r in reqs]))
 
