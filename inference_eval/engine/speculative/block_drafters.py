@@ -48,7 +48,7 @@ class ParallelHeadDrafter(_PrecomputedLaws, HeadDrafter):
         return list(ks)
 
     def begin_round(self, reqs, n):
-        first = torch.stack([self.carry[r.id][1] for r in reqs])  # [L, V]
+        first = self._carried(reqs)[1]  # [L, V]
         ks = [self.round_ks.get(r.id, 1) for r in reqs]
         deep = [i for i, k in enumerate(ks) if k > 1]
         laws = first.new_zeros(len(reqs), max(max(ks) - 1, 0), first.shape[-1])

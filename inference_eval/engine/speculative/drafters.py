@@ -251,6 +251,10 @@ class HeadDrafter(_HeadLogits, Drafter):
                     out.hidden, out.aux, plan, _last_rows(layout))
 
     def begin_round(self, reqs, n):
+        return self._carried(reqs)
+
+    def _carried(self, reqs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The carry of `reqs`: states [L, H], logits [L, V]."""
         rids, last, logits = self._refilled
         if [r.id for r in reqs] == rids:  # the batch the last refill served, in its order:
             return last, logits  # its rows as they are (stacking [L, V] logits costs a copy)
