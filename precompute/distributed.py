@@ -2,7 +2,9 @@
 
 One process works without torchrun; under torchrun each rank takes its share of one global
 plan and rank 0 merges. The stages only need barriers, so the group is gloo on every device
-(gloo works without GPUs). Nothing else in precompute/ touches torch.distributed.
+(gloo works without GPUs). With engine.tensor_parallel > 1 the ranks are the replicas'
+leaders instead, and their barriers run over a group of leaders (precompute/tensor_parallel.py,
+the only other module here that touches torch.distributed).
 """
 from __future__ import annotations
 
@@ -44,10 +46,11 @@ def init_process_group() -> None:
         dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
 
 
-def barrier() -> None:
+def barrier(group=None) -> None:
+    """Every rank of `group` (None: the default group) is here."""
     import torch.distributed as dist
 
-    dist.barrier()
+    dist.barrier(group=group)
 
 
 def rank_device(device: torch.device, world: int) -> torch.device:

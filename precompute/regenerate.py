@@ -35,10 +35,11 @@ def distill_config(cfg: PrecomputeConfig) -> DistillConfig:
 
 
 def regenerated_shards(cfg: PrecomputeConfig, loaded: LoadedTarget, rank: int,
-                       world: int) -> Manifest | None:
+                       world: int, replica=None) -> Manifest | None:
     """data.regenerate: the distill stage answers and writes the shards in one pass; the
-    shard manifest on rank 0, None elsewhere."""
-    run_distill(distill_config(cfg), rank, world, loaded=loaded)
+    shard manifest on rank 0, None elsewhere. replica: this replica's leader under tensor
+    parallelism (precompute/tensor_parallel.py)."""
+    run_distill(distill_config(cfg), rank, world, loaded=loaded, replica=replica)
     return Manifest.load(Path(cfg.output_dir) / "manifest.json") if rank == 0 else None
 
 

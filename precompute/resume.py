@@ -30,12 +30,14 @@ class ShardLedger:
 
     Rank r owns shards k with k % world == r of the global plan, so the files are the same as
     one process writes. `open` -> `todo` -> `record` per shard -> `wait_for_all` -> rank 0
-    `finish`.
+    `finish`. group: the process group of the barriers (None: every rank; under tensor
+    parallelism the replicas' leaders, precompute/tensor_parallel.py).
     """
 
-    def __init__(self, out: Path, plan_hash: str, num_shards: int, rank: int, world: int):
+    def __init__(self, out: Path, plan_hash: str, num_shards: int, rank: int, world: int,
+                 group=None):
         self.out, self.plan_hash, self.num_shards = out, plan_hash, num_shards
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.group = rank, world, group
         self.progress_path = out / f".progress.rank{rank}.json"
         self.entries: list[ShardEntry] = []  # this rank's finished shards
 
@@ -45,7 +47,7 @@ class ShardLedger:
         if overwrite and self.rank == 0:
             clear(self.out, with_results=True)
         if overwrite and self.world > 1:
-            barrier()
+            barrier(self.group)
         finished = finished_manifest(self.out, self.plan_hash, self.num_shards)
         if finished is not None and self.rank == 0:
             print(f"precompute: {self.out} already holds all {self.num_shards} shards of this "
@@ -75,7 +77,7 @@ class ShardLedger:
     def wait_for_all(self) -> None:
         """Every rank has written its shards (a barrier under torchrun)."""
         if self.world > 1:
-            barrier()
+            barrier(self.group)
 
     def finish(self, manifest: Manifest, rejected: Iterable[Rejected]) -> None:
         """Rank 0, once every rank is done: merged manifest, rejects.jsonl, progress files

@@ -50,7 +50,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--head", default="mtp")
-    ap.add_argument("--gen-batch", type=int, default=16, help="engine.max_batch_size, all ways")
+    ap.add_argument("--gen-batch", type=int, default=64,
+                    help="engine.max_batch_size, all ways (the engine's default, and the batch "
+                         "run_default.sh distills with)")
+    ap.add_argument("--kv-cache-gb", type=float, default=2.0,
+                    help="engine.kv_cache_gb, all ways (what 64 answers of 256 tokens need)")
     ap.add_argument("--threads", type=int, default=0, help="OMP threads (0: the machine's)")
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args()
@@ -64,7 +68,7 @@ def main() -> None:
              f"data.batch_tokens={a.batch_tokens}", "validation.enabled=false",
              "trainer.wandb=disabled", "trainer.progress=false", f"trainer.save_every={a.steps}",
              "optim.warmup_steps=10"]
-    gen = [f"engine.max_batch_size={a.gen_batch}"]
+    gen = [f"engine.max_batch_size={a.gen_batch}", f"engine.kv_cache_gb={a.kv_cache_gb}"]
     train += gen
     regen = ["data.regenerate=true", f"data.regen_max_new_tokens={a.max_new_tokens}", *gen]
 
@@ -95,6 +99,7 @@ def main() -> None:
                  env=env)
     bytes_c = sum(p.stat().st_size for p in dc.rglob("shard_*.safetensors"))
     result = {"bench": "online", "target": a.target, "prompts": a.prompts,
+              "gen_batch": a.gen_batch,
               "max_new_tokens": a.max_new_tokens, "steps": a.steps, "threads": a.threads or None,
               "a_s": round(secs_a, 2), "b_s": round(secs_b, 2), "c_s": round(secs_c, 2),
               "speedup_b": round(secs_a / secs_b, 3), "speedup_c": round(secs_a / secs_c, 3),

@@ -13,10 +13,14 @@
 #      and a tree for long), behind n-gram lookup
 #      (run `head_lookup`) and n-gram lookup alone (run `lookup`, no model): τ, α_k, speedup,
 #      lossless check -> $OUT/eval/report.md
+#   5. (BLOCK=dflash, on for quick and long) a DFlash block drafter (B = 4: one pass drafts
+#      3 tokens) trained on the same shards for the chain head's steps x batch tokens (its
+#      rollout steps included), evaluated beside it (run `dflash_b4`); the shards then carry
+#      the EAGLE-3 aux layers that DFlash reads (aux=eagle3). BLOCK=none skips it.
 # Rerunning resumes/reuses what is already there (every stage is resumable and cached).
 #
 # PRESET picks the sizes and the data (env vars DATA, PROMPTS_N, ORIG_N, ANSWER, STEPS,
-# BATCH, K, EVAL_PER_CAT, NEW, OUT, COMPILE, TTT_STEPS (steps of the K-step rollout stage
+# BATCH, K, EVAL_PER_CAT, NEW, OUT, COMPILE, BLOCK, TTT_STEPS (steps of the K-step rollout stage
 # after the K=1 training; 0 skips it), REPEATS (eval passes, default 3) override them;
 # COMPILE=true runs the final evaluation on the compiled CPU engine, engine.compile: ~65 s of
 # compile per step size, 1.5x faster decoding; on for long, off for quick, where the compile
@@ -49,6 +53,10 @@ case "$PRESET" in
   gpu)   d=(distill  16000 0    512    6000  16384 4 10 128 runs/gpu    0) ;;
   *) echo "PRESET=$PRESET: use quick, long or gpu" >&2; exit 2 ;;
 esac
+[ "$PRESET" = gpu ] && BLOCK=${BLOCK:-none}
+BLOCK=${BLOCK:-dflash}
+case "$BLOCK" in dflash|none) ;; *) echo "BLOCK=$BLOCK: use dflash or none" >&2; exit 2 ;; esac
+aux=(); [ "$BLOCK" = dflash ] && aux=(aux=eagle3)
 DATA=${DATA:-${d[0]}}; PROMPTS_N=${PROMPTS_N:-${d[1]}}; ORIG_N=${ORIG_N:-${d[2]}}
 ANSWER=${ANSWER:-${d[3]}}; STEPS=${STEPS:-${d[4]}}; BATCH=${BATCH:-${d[5]}}; K=${K:-${d[6]}}
 EVAL_PER_CAT=${EVAL_PER_CAT:-${d[7]}}; NEW=${NEW:-${d[8]}}; OUT=${OUT:-${d[9]}}
@@ -70,24 +78,24 @@ if [ "$DATA" != sharegpt ]; then
       sampling.max_new_tokens="$ANSWER" engine.max_batch_size="$gen_bs" engine.kv_cache_gb="$kv_gb" \
       output_dir="$OUT/distill" "${extra[@]}"
   $PY -m precompute target=smollm2 data=jsonl data.path="$OUT/distill/conversations.jsonl" \
-      data.max_length=768 output_dir="$OUT/shards" "${extra[@]}"
+      data.max_length=768 output_dir="$OUT/shards" "${aux[@]}" "${extra[@]}"
   shards+=("$OUT/shards")
 fi
 if [ "$DATA" != distill ]; then
   $PY -m precompute target=smollm2 data=sharegpt data.limit="$ORIG_N" data.max_length=768 \
-      output_dir="$OUT/shards_sharegpt" "${extra[@]}"
+      output_dir="$OUT/shards_sharegpt" "${aux[@]}" "${extra[@]}"
   shards+=("$OUT/shards_sharegpt")
 fi
 # Validation measures real τ in the engine on held-out prompts and keeps the best head; the
 # quick preset validates once, at the end (its evaluation below is the measurement).
 evals=$(( STEPS / 6 > 0 ? STEPS / 6 : 1 )); tau_prompts=12
 if [ "$PRESET" = quick ]; then evals=$STEPS; tau_prompts=4; fi
-common=(target=smollm2 head=mtp "data.shards='$(IFS=,; echo "${shards[*]}")'" trainer.log_every=10
+common=(target=smollm2 "data.shards='$(IFS=,; echo "${shards[*]}")'" trainer.log_every=10
         optim.warmup_steps=10 data.batch_tokens="$BATCH" validation.num_conversations=4
         validation.max_length=512 trainer.wandb=offline validation.tau_prompts="$tau_prompts"
         validation.tau_prompts_path=heldout_mix validation.tau_num_draft="$K"
         validation.tau_max_new_tokens=32 "${recipe[@]}" "${extra[@]}")
-$PY -m train "${common[@]}" output_dir="$H" trainer.max_steps="$STEPS" optim.lr=1e-3 \
+$PY -m train "${common[@]}" head=mtp output_dir="$H" trainer.max_steps="$STEPS" optim.lr=1e-3 \
     trainer.save_every="$evals" trainer.eval_every="$evals"
 ck="$H/checkpoints/best"
 # The staged schedule's second stage (TTT_STEPS > 0): from the best K=1 head, a K-step
@@ -97,10 +105,21 @@ ck="$H/checkpoints/best"
 # if the rollout does not beat it.
 if [ "$TTT_STEPS" -gt 0 ]; then
   tevals=$(( TTT_STEPS / 3 > 0 ? TTT_STEPS / 3 : 1 ))
-  $PY -m train "${common[@]}" output_dir="$OUT/head_ttt" head.num_steps="$K" \
+  $PY -m train "${common[@]}" head=mtp output_dir="$OUT/head_ttt" head.num_steps="$K" \
       trainer.init_from="$ck" trainer.max_steps="$TTT_STEPS" optim.lr=3e-4 \
       trainer.save_every="$tevals" trainer.eval_every="$tevals"
   H="$OUT/head_ttt"; ck="$H/checkpoints/best"
+fi
+# The block drafter at the chain head's budget: the same shards, batch and steps (the
+# rollout stage's included), validated the same way; one pass drafts its 3 mask positions.
+block_run=""
+if [ "$BLOCK" = dflash ]; then
+  bevals=$(( (STEPS + TTT_STEPS) / 6 > 0 ? (STEPS + TTT_STEPS) / 6 : 1 ))
+  [ "$PRESET" = quick ] && bevals=$STEPS
+  $PY -m train "${common[@]}" head=dflash head.num_steps=3 validation.tau_num_draft=3 \
+      output_dir="$OUT/head_dflash" trainer.max_steps=$(( STEPS + TTT_STEPS )) optim.lr=1e-3 \
+      trainer.save_every="$bevals" trainer.eval_every="$bevals"
+  block_run=",{kind:head,checkpoint:$OUT/head_dflash/checkpoints/best,name:dflash_b4,num_draft:3}"
 fi
 # The head behind n-gram lookup (docs/evaluation.md): lookup drafts up to 4 tokens where
 # the request's own context or the corpus knows a continuation, the head 1 token elsewhere.
@@ -112,11 +131,11 @@ lookups="{kind:head,checkpoint:$ck,name:head_lookup,num_draft:4,lookup:true,mode
 # A K=4 chain cut where the head's law puts < 0.3 on its top token (draft.min_confidence):
 # rounds verify only the drafts the head is sure of.
 cut="{kind:head,checkpoint:$ck,name:chain4_cut,num_draft:4,min_confidence:0.3}"
-drafts="[{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K},$lookups]"
+drafts="[{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K}$block_run,$lookups]"
 if [ "$PRESET" = quick ] && [ "$K" != 1 ]; then  # K=1: the draft length a weak head can afford
-  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K},$cut,$lookups]"
+  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain$K,num_draft:$K},$cut$block_run,$lookups]"
 elif [ "$PRESET" = long ]; then
-  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain2,num_draft:2},{kind:head,checkpoint:$ck,name:chain4,num_draft:4},$cut,{kind:head,checkpoint:$ck,name:tree,scheme:tree,depth:4,topk:4,total_tokens:12},$lookups]"
+  drafts="[{kind:head,checkpoint:$ck,name:chain1,num_draft:1},{kind:head,checkpoint:$ck,name:chain2,num_draft:2},{kind:head,checkpoint:$ck,name:chain4,num_draft:4},$cut,{kind:head,checkpoint:$ck,name:tree,scheme:tree,depth:4,topk:4,total_tokens:12}$block_run,$lookups]"
 elif [ "$PRESET" = gpu ]; then
   drafts="[{kind:head,checkpoint:$ck,name:chain4,num_draft:4},{kind:head,checkpoint:$ck,name:tree,scheme:tree},$lookups]"
 fi

@@ -5,12 +5,14 @@ of engine/speculative/block_drafters.py) or a small LLM as its drafter. This is 
 the engine itself never imports heads."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from heads.checkpoint import load_head, read_head_config
 from heads.frozen import FrozenParts
 from inference_eval.engine.config import EngineConfig
 from inference_eval.engine.llm_engine import LLMEngine
+from inference_eval.engine.parallel.spec import ShardedHead
 from inference_eval.engine.speculative.block_drafters import (BlockContextDrafter,
                                                               ParallelHeadDrafter)
 from inference_eval.engine.speculative.drafters import HeadDrafter, LLMDrafter, MedusaDrafter
@@ -28,17 +30,23 @@ def frozen_parts_of(loaded):
                        loaded.identity)
 
 
-def build_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg) -> LLMEngine:
+def build_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg,
+                 sharded: ShardedHead | None = None, channel=None) -> LLMEngine:
     """The engine of one run; every engine has LLMEngine's generate() and meta contract.
     draft_cfg.kind: none -> LLMEngine; head -> a head checkpoint drafting a chain or tree;
     llm -> a separate small LLM (draft_cfg.llm, a TargetConfig) with the same tokenizer;
     lookup -> n-gram lookup only (draft_cfg.lookup puts it in front of a head or an LLM)."""
     if draft_cfg.kind == "none":
         return LLMEngine(loaded.model, loaded.tokenizer, engine_cfg)
-    return build_spec_engine(loaded, engine_cfg, draft_cfg)
+    if sharded is None and channel is None:
+        return build_spec_engine(loaded, engine_cfg, draft_cfg)
+    return build_spec_engine(loaded, engine_cfg, draft_cfg, sharded=sharded, channel=channel)
 
 
-def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg) -> SpecEngine:
+def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg,
+                      sharded: ShardedHead | None = None, channel=None) -> SpecEngine:
+    """sharded, channel: under tensor parallelism (build_tp_spec_engine), the head already
+    split with the target and the leader's step channel its drafter sends head calls on."""
     kind = draft_cfg.kind
     scheme = getattr(draft_cfg, "scheme", "chain")
     if scheme not in ("chain", "tree"):
@@ -54,22 +62,19 @@ def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg)
             raise ValueError(f"head {draft_cfg.checkpoint} was trained for target "
                              f"{meta['target'].get('name')!r} with other embedding/lm_head weights "
                              f"than {loaded.identity['name']!r}; train a head for this target")
-        head = load_head(draft_cfg.checkpoint, frozen_parts_of(loaded))
+        head = sharded.head if sharded else load_head(draft_cfg.checkpoint, frozen_parts_of(loaded))
+        sync_free = getattr(draft_cfg, "sync_free", False)
         if not head.attends:  # Medusa: no token input, no KV cache, so no tree either
-            if scheme == "tree":
-                raise ValueError(f"draft.scheme=tree needs draft=head with an MTP/EAGLE head; "
-                                 f"{draft_cfg.checkpoint} holds a {head.cfg.type!r} head (no "
-                                 "token input to grow a tree from): use scheme=chain")
-            if getattr(draft_cfg, "sync_free", False):
-                raise ValueError(f"draft.sync_free needs an MTP/EAGLE head; {draft_cfg.checkpoint} "
-                                 "holds a Medusa head (no cache to catch up)")
+            _check_medusa(head, draft_cfg)
             make = lambda pages, ps, dev, dt: MedusaDrafter(head, dev, dt)  # noqa: E731
         elif head.drafting != "chain":  # a block drafter: one draft pass per round
             make, lookahead = _block_drafter(head, draft_cfg, scheme)
         else:
-            sync_free = getattr(draft_cfg, "sync_free", False)
             make = lambda pages, ps, dev, dt: HeadDrafter(head, pages, ps, dev, dt,  # noqa: E731
                                                           sync_free=sync_free)
+        if sharded is not None:  # split with the target: its drafter sends each call first
+            make = lambda pages, ps, dev, dt: sharded.drafter(  # noqa: E731
+                pages, ps, dev, dt, channel=channel, sync_free=sync_free)
     elif kind == "llm":
         draft = load_target(draft_cfg.llm, device=next(loaded.model.parameters()).device,
                             with_tokenizer=False).model
@@ -88,6 +93,49 @@ def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg)
                               draft_cfg.topk, draft_cfg.total_tokens)
     return SpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.num_draft,
                       lookahead=lookahead, min_confidence=getattr(draft_cfg, "min_confidence", 0.0))
+
+
+def build_tp_spec_engine(loaded: LoadedTarget, plan, tp, draft_cfg):
+    """Speculative decoding under tensor parallelism: (build, make_drafter) for
+    parallel.runner.serve. A head checkpoint is loaded on every rank and split with the
+    target (parallel/spec.py: its layer sharded, the target's vocabulary-parallel embedding
+    and lm_head shared); followers run its calls. A draft LLM and lookup live on the leader
+    only (followers get no drafter)."""
+    sharded = None
+    if draft_cfg.kind == "head":
+        meta = read_head_config(draft_cfg.checkpoint)
+        if meta.get("head", {}).get("draft_vocab_size"):
+            raise ValueError(f"head {draft_cfg.checkpoint} has a reduced vocabulary "
+                             "(head.draft_vocab_size): not supported under engine.tensor_parallel "
+                             f"={tp.size} yet; use tensor_parallel=1")
+        head = load_head(draft_cfg.checkpoint, frozen_parts_of(loaded))
+        if head.drafting != "chain":
+            raise ValueError(f"{draft_cfg.checkpoint} holds a {head.cfg.type!r} head drafting "
+                             f"{head.drafting!r} (a block drafter): not supported under "
+                             f"engine.tensor_parallel={tp.size} yet; use tensor_parallel=1")
+        if not head.attends:
+            _check_medusa(head, draft_cfg)  # on every rank, before any is split
+        sharded = ShardedHead(head, loaded.model, plan, tp)
+    sync_free = getattr(draft_cfg, "sync_free", False)
+
+    def build(model, channel, engine_cfg):
+        return build_engine(dataclasses.replace(loaded, model=model), engine_cfg, draft_cfg,
+                            sharded=sharded, channel=channel)
+
+    def make_drafter(pages, ps, dev, dt):
+        return None if sharded is None else sharded.drafter(pages, ps, dev, dt, sync_free=sync_free)
+    return build, make_drafter
+
+
+def _check_medusa(head, draft_cfg) -> None:
+    """Medusa heads have no token input and no cache: no tree to grow, nothing to catch up."""
+    if getattr(draft_cfg, "scheme", "chain") == "tree":
+        raise ValueError(f"draft.scheme=tree needs draft=head with an MTP/EAGLE head; "
+                         f"{draft_cfg.checkpoint} holds a {head.cfg.type!r} head (no "
+                         "token input to grow a tree from): use scheme=chain")
+    if getattr(draft_cfg, "sync_free", False):
+        raise ValueError(f"draft.sync_free needs an MTP/EAGLE head; {draft_cfg.checkpoint} "
+                         "holds a Medusa head (no cache to catch up)")
 
 
 def _block_drafter(head, draft_cfg, scheme: str):

@@ -18,8 +18,9 @@ from __future__ import annotations
 import gc
 import platform
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -113,8 +114,10 @@ def run_items(runner: Runner, items: Sequence[PromptItem], params: SamplingParam
 
 
 def run_one(loaded: LoadedTarget, engine_cfg: EngineConfig, draft: DraftConfig,
-            items: Sequence[PromptItem], cfg: EvalConfig, replay: Replay | None = None) -> RunResult:
-    runner = Runner(lambda: build_engine(loaded, engine_cfg, draft), cfg.eval.chat,
+            items: Sequence[PromptItem], cfg: EvalConfig, replay: Replay | None = None,
+            make: Callable[[], Any] | None = None) -> RunResult:
+    """make: the engine factory (default: build_engine; tensor parallelism serves its own)."""
+    runner = Runner(make or (lambda: build_engine(loaded, engine_cfg, draft)), cfg.eval.chat,
                     cfg.eval.progress)
     if cfg.eval.warmup:
         runner.engine.warm(cfg.eval.batch_size)  # engine.compile: no compile inside the timing
@@ -173,23 +176,90 @@ def main(cfg: EvalConfig) -> dict[str, Any]:
             read_head_config(d.checkpoint)
         if d.lookup_corpus is not None:
             corpus_manifests(d.lookup_corpus)
+    if cfg.engine.tensor_parallel > 1:
+        return _main_tensor_parallel(cfg, items, drafts)
     device = cfg.engine.resolve_device()
     loaded = load_target(cfg.target, device=device)
+    engine_cfg = replace(cfg.engine, max_batch_size=cfg.eval.batch_size)
+
+    @contextmanager
+    def session(draft: DraftConfig) -> Iterator[Callable[[], Any]]:
+        yield lambda: build_engine(loaded, engine_cfg, draft)
+    return _evaluate(cfg, items, drafts, loaded, device, session, leader=True)
+
+
+def _main_tensor_parallel(cfg: EvalConfig, items: Sequence[PromptItem],
+                          drafts: list[DraftConfig]) -> dict[str, Any]:
+    """Under torchrun: one replica of engine.tensor_parallel ranks. Every run is one
+    parallel.runner.serve session: rank 0 schedules, drafts, samples and writes the report;
+    the others run their shard of the target (and of a head: evaluation.engines
+    build_tp_spec_engine) for each of its calls, and return {}."""
+    import os
+
+    from inference_eval.engine.parallel.group import close_tensor_parallel, init_tensor_parallel
+    from inference_eval.engine.parallel.runner import load_tp_target, serve
+    from inference_eval.evaluation.engines import build_tp_spec_engine
+
+    size = cfg.engine.tensor_parallel
+    if int(os.environ.get("WORLD_SIZE", size)) != size:
+        raise ValueError("the eval runs one tensor-parallel replica: launch exactly "
+                         f"engine.tensor_parallel={size} processes")
+    tp = init_tensor_parallel(size, cfg.engine.device, cfg.engine.tp_timeout_s)
+    engine_cfg = replace(cfg.engine, max_batch_size=cfg.eval.batch_size)  # as _evaluate's
+    try:
+        loaded, plan = load_tp_target(cfg.target, tp, with_tokenizer=tp.is_leader)
+
+        @contextmanager
+        def session(draft: DraftConfig) -> Iterator[Callable[[], Any] | None]:
+            build, make_drafter = build_tp_spec_engine(loaded, plan, tp, draft)
+            with serve(loaded, plan, engine_cfg, tp, build, make_drafter) as engine:
+                yield None if engine is None else _once(engine)
+        report = _evaluate(cfg, items, drafts, loaded, tp.device, session, tp.is_leader)
+    finally:
+        close_tensor_parallel()
+    return report if tp.is_leader else {}
+
+
+def _once(engine) -> Callable[[], Any]:
+    """The served engine, once: a step that failed under tensor parallelism may have left the
+    followers inside a collective, so the run stops (serve stops them) instead of retrying."""
+    calls = []
+
+    def make():
+        if calls:
+            raise RuntimeError("a step failed under engine.tensor_parallel > 1; the run stops "
+                               "(the failing prompt cannot be retried alone)")
+        calls.append(1)
+        return engine
+    return make
+
+
+def _evaluate(cfg: EvalConfig, items: Sequence[PromptItem], drafts: list[DraftConfig],
+              loaded: LoadedTarget, device: torch.device, session,
+              leader: bool) -> dict[str, Any]:
+    """Every run in order, each inside session(draft), which yields its engine factory (None
+    on a tensor-parallel follower, which only serves the run; it returns {})."""
     # The engine's max batch IS the benchmark's concurrency, identical for every run.
     engine_cfg = replace(cfg.engine, max_batch_size=cfg.eval.batch_size)
-    print(f"{len(items)} prompts ({sum(len(it.turns) for it in items)} turns), runs: "
-          f"{[BASELINE_LABEL] + [d.label for d in drafts]}")
+    if leader:
+        print(f"{len(items)} prompts ({sum(len(it.turns) for it in items)} turns), runs: "
+              f"{[BASELINE_LABEL] + [d.label for d in drafts]}")
     order = [DraftConfig(kind="none", name=BASELINE_LABEL)] + drafts
     passes: list[list[RunResult]] = [[] for _ in order]
     replay: Replay | None = None
     for rep in range(cfg.eval.repeats):
         for i, draft in enumerate(order):
-            res = run_one(loaded, engine_cfg, draft, items, cfg, replay)
+            with session(draft) as make:
+                if make is None:
+                    continue
+                res = run_one(loaded, engine_cfg, draft, items, cfg, replay, make)
             passes[i].append(res)
             if replay is None:  # the baseline's first pass: every later run replays it
                 replay = {(o.prompt_id, o.turn): o.text or "" for o in res.outputs if o.ok}
             print(f"[{draft.label}] {len(res.outputs)} outputs in {res.wall_s:.1f}s"
                   + (f" (pass {rep + 1}/{cfg.eval.repeats})" if cfg.eval.repeats > 1 else ""))
+    if not leader:
+        return {}
     runs = [combine_passes(p) for p in passes]
     report = build_report(runs, settings_of(cfg, loaded, items, engine_cfg, device))
     paths = write_report(report, cfg.output_dir, runs)

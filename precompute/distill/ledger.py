@@ -33,12 +33,14 @@ from precompute.distributed import barrier
 
 
 class DistillLedger:
-    """`open` -> `batches` -> `record` per batch -> `wait_for_all` -> rank 0 `finish`."""
+    """`open` -> `batches` -> `record` per batch -> `wait_for_all` -> rank 0 `finish`.
+    group: the process group of the barriers (None: every rank; the replicas' leaders under
+    tensor parallelism)."""
 
     def __init__(self, out: Path, plan_hash: str, prompts: Sequence[Conversation], rank: int,
-                 world: int):
+                 world: int, group=None):
         self.out, self.plan_hash, self.prompts = out, plan_hash, list(prompts)
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.group = rank, world, group
         self.order = {p.id: i for i, p in enumerate(self.prompts)}
         # One process appends to the final file itself; ranks keep their own logs.
         live = CONVERSATIONS if world == 1 else conversations_part(rank)
@@ -52,7 +54,7 @@ class DistillLedger:
         if overwrite and self.rank == 0:
             clear_parts(self.out, with_results=True)
         if overwrite and self.world > 1:
-            barrier()
+            barrier(self.group)
         finished = check_plan(self.out, self.plan_hash)
         if finished is not None:
             if self.rank == 0:
@@ -94,7 +96,7 @@ class DistillLedger:
 
     def wait_for_all(self) -> None:
         if self.world > 1:
-            barrier()
+            barrier(self.group)
 
     def finish(self, manifest: DistillManifest, load_rejected: Sequence[Rejected]) -> None:
         """Rank 0, once every rank is done: conversations.jsonl in prompt order, rejects.jsonl

@@ -3,12 +3,14 @@
 Steps, each in its own module: prompts from data.load_prompts (precompute/data/), the plan
 hash and manifest (manifest.py), what is already answered and the final merge (ledger.py over
 the SIGKILL-safe logs of store.py), one batch turn by turn (answer.py); ranks and barriers
-come from precompute/distributed.py.
+come from precompute/distributed.py, and under engine.tensor_parallel=T (world/T replicas as
+the ranks, the leader's engine over the replica's shards) from precompute/tensor_parallel.py.
 """
 from __future__ import annotations
 
 import hashlib
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,25 +31,34 @@ from precompute.distributed import dist_info, process_group, rank_device
 from precompute.identity import tokenizer_identity
 from precompute.manifest import Manifest
 from precompute.plan import plan_hash
+from precompute.tensor_parallel import Replica, check_launch, run_replicated
 
 
 def main(cfg: DistillConfig) -> DistillManifest | None:
+    if cfg.engine.tensor_parallel > 1:
+        check_launch(cfg.engine.tensor_parallel)
+        return run_replicated(cfg.target, cfg.engine, cfg.engine, lambda replica: run_distill(
+            cfg, replica.rank, replica.world, replica=replica))
     rank, world = dist_info()
     with process_group(world):
         return run_distill(cfg, rank, world)
 
 
 def run_distill(cfg: DistillConfig, rank: int = 0, world: int = 1,
-                loaded: LoadedTarget | None = None) -> DistillManifest | None:
+                loaded: LoadedTarget | None = None,
+                replica: Replica | None = None) -> DistillManifest | None:
     """Answer every prompt of cfg.data into cfg.output_dir; the manifest on rank 0, None on
     the other ranks. Resumes; a complete output of the same plan is returned untouched.
-    loaded: the target when the caller (precompute, data.regenerate) has it already."""
+    loaded: the target when the caller (precompute, data.regenerate) has it already.
+    replica: this replica's leader under tensor parallelism (rank, world: the replica's)."""
     t_start = time.perf_counter()
     out = Path(cfg.output_dir)
     # Prompts first: a missing or unreadable input fails in seconds, not after loading a model.
     result = load_prompts(cfg.data)
     prompts = [_with_system(p, cfg.data.system_prompt) for p in result.conversations]
-    if loaded is None:
+    if loaded is None and replica is not None:
+        loaded = replica.load()
+    elif loaded is None:
         loaded = load_target(cfg.target, device=rank_device(cfg.engine.resolve_device(), world))
     tok = loaded.tokenizer
     if tok is None:
@@ -55,7 +66,8 @@ def run_distill(cfg: DistillConfig, rank: int = 0, world: int = 1,
     tok_id = tokenizer_identity(tok)
     phash = distill_plan_hash(loaded.identity, tok_id, asdict(cfg.sampling), cfg.turns,
                               cfg.engine.seed, cfg.target.dtype, prompts)
-    ledger = DistillLedger(out, phash, prompts, rank, world)
+    group = None if replica is None else replica.group
+    ledger = DistillLedger(out, phash, prompts, rank, world, group=group)
     finished = ledger.open(cfg.overwrite)
     shards = _open_shards(cfg, loaded, phash, len(prompts), rank, world)
     if shards is not None and shards.complete:
@@ -72,23 +84,28 @@ def run_distill(cfg: DistillConfig, rank: int = 0, world: int = 1,
           f"already answered; answering {todo}")
     capture = None if shards is None else CaptureSpec(shards.aux_layers,
                                                       capture_dtype(cfg.hidden_dtype))
-    engine = LLMEngine(loaded.model, tok, cfg.engine, capture=capture)
     bar = tqdm(total=todo, unit="prompt", desc=f"distill[{rank}]", disable=not cfg.progress)
     t0, ntok = time.perf_counter(), 0
-    for first, batch in batches:
-        # Sampled runs reseed per batch, so a resumed run draws what an uninterrupted one does.
-        engine.generator.manual_seed(_batch_seed(cfg.engine.seed, first))
-        last = {} if shards is not None else None
-        kept, rejected = answer_batch(engine, [prompts[i] for i in batch], cfg.sampling,
-                                      cfg.turns, result.report.source, last=last)
-        if finished is None:  # answers already logged are not logged twice
-            ledger.record([r for r in kept if r["id"] not in ledger.done],
-                          [r for r in rejected if r["id"] not in ledger.done])
-        if shards is not None:
-            shards.write(first, *records_of(tok, kept, last, cfg.data.max_length))
-        ntok += sum(r["generated_tokens"] for r in kept + rejected)
-        bar.update(len(batch))
-        bar.set_postfix(tok_s=f"{ntok / max(time.perf_counter() - t0, 1e-9):.1f}")
+    # Under tensor parallelism the engine's calls run on the followers too, until the block
+    # ends (before the barriers below, which only the leaders join).
+    with nullcontext(loaded) if replica is None else replica.serve(loaded) as running:
+        engine = LLMEngine(running.model, tok, cfg.engine if replica is None else replica.engine,
+                           capture=capture)
+        for first, batch in batches:
+            # Sampled runs reseed per batch, so a resumed run draws what an uninterrupted one
+            # does.
+            engine.generator.manual_seed(_batch_seed(cfg.engine.seed, first))
+            last = {} if shards is not None else None
+            kept, rejected = answer_batch(engine, [prompts[i] for i in batch], cfg.sampling,
+                                          cfg.turns, result.report.source, last=last)
+            if finished is None:  # answers already logged are not logged twice
+                ledger.record([r for r in kept if r["id"] not in ledger.done],
+                              [r for r in rejected if r["id"] not in ledger.done])
+            if shards is not None:
+                shards.write(first, *records_of(tok, kept, last, cfg.data.max_length))
+            ntok += sum(r["generated_tokens"] for r in kept + rejected)
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{ntok / max(time.perf_counter() - t0, 1e-9):.1f}")
     bar.close()
     ledger.wait_for_all()
     manifest = None

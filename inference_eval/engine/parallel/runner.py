@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import contextmanager, suppress
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,8 @@ from inference_eval.engine.parallel.group import (TPGroup, close_tensor_parallel
                                                   init_tensor_parallel)
 from inference_eval.engine.parallel.loading import load_sharded
 from inference_eval.engine.parallel.shard import ShardPlan, check_arch
-from inference_eval.engine.parallel.step_sync import StepChannel, StepMessage
+from inference_eval.engine.parallel.spec import LeaderKVCache
+from inference_eval.engine.parallel.step_sync import HEAD, StepChannel, StepMessage
 from inference_eval.engine.parallel.tp import parallelize, retie
 from inference_eval.engine.target import (LoadedTarget, TargetConfig, _reset_rope, load_target,
                                           load_tokenizer, target_hf_dir)
@@ -64,9 +65,12 @@ def tp_engine_config(cfg: EngineConfig) -> EngineConfig:
     return dataclasses.replace(cfg, cuda_graphs=False)
 
 
-def follow(model: TransformerLM, arch: ModelArch, cfg: EngineConfig, channel: StepChannel) -> int:
+def follow(model: TransformerLM, arch: ModelArch, cfg: EngineConfig, channel: StepChannel,
+           make_drafter: Callable | None = None) -> int:
     """A follower's loop: the same cache geometry and backend as the leader's LLMEngine
-    builds from `cfg`, one model call per received message; returns the calls run."""
+    builds from `cfg`, one model call per received message; returns the calls run.
+    make_drafter(num_pages, page_size, device, dtype): this rank's drafter of a head split
+    with the target (spec.ShardedHead.drafter), whose run() serves the leader's head calls."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     if cfg.threads:
@@ -77,12 +81,22 @@ def follow(model: TransformerLM, arch: ModelArch, cfg: EngineConfig, channel: St
     num_pages = cfg.resolve_num_pages(KVCache.bytes_per_token_for_arch(arch, dtype))
     cache = KVCache.for_arch(arch, num_pages, cfg.page_size, dtype, device)
     backend = make_backend(cfg.attention, device, dtype)
+    drafter = None if make_drafter is None else make_drafter(num_pages, cfg.page_size, device,
+                                                             dtype)
+    if drafter is not None:  # the leader's engine binds its drafter the same way
+        drafter.bind(backend, cpu_blas, cfg.weight_codes, cfg.head_code)
     calls = 0
     with torch_threads(openblas_threads(cpu_blas)), torch.inference_mode():
         while (msg := channel.recv()) is not None:
-            model(msg.input_ids, backend.plan(msg.layout), cache,
-                  logits_indices=msg.logits_indices, compute_logits=msg.compute_logits,
-                  aux_layers=msg.aux_layers)
+            if msg.moves is not None:  # the leader compacted its target cache before this call
+                cache.copy_slots(*msg.moves)
+            plan = None if msg.layout is None else backend.plan(msg.layout)
+            if msg.model == HEAD:
+                drafter.run(msg.input_ids, msg.state, plan, msg.logits_indices, msg.k)
+            else:
+                on = None if msg.layout.block_tables is None else cache  # cacheless: a packed prefill
+                model(msg.input_ids, plan, on, logits_indices=msg.logits_indices,
+                      compute_logits=msg.compute_logits, aux_layers=msg.aux_layers)
             calls += 1
     return calls
 
@@ -127,19 +141,27 @@ def load_tp_target(cfg: TargetConfig, tp: TPGroup,
 
 
 @contextmanager
-def serve(loaded: LoadedTarget, plan: ShardPlan, engine_cfg: EngineConfig,
-          tp: TPGroup) -> Iterator[LLMEngine | None]:
+def serve(loaded: LoadedTarget, plan: ShardPlan, engine_cfg: EngineConfig, tp: TPGroup,
+          build: Callable | None = None,
+          make_drafter: Callable | None = None) -> Iterator[LLMEngine | None]:
     """An LLMEngine over a loaded shard on the replica's leader (None on followers, which
     serve the leader's steps before their body runs). Leaving the block stops the
-    followers, also when the leader's body raised."""
+    followers, also when the leader's body raised.
+
+    build(model, channel, cfg) -> the leader's engine over `model` (a TPLeader; default
+    LLMEngine), e.g. a speculative engine whose head drafter sends its calls on `channel`;
+    make_drafter: the followers' side of that head (follow)."""
     cfg = tp_engine_config(engine_cfg)
     channel = StepChannel(tp)
     if not tp.is_leader:
-        follow(loaded.model, plan.local_arch(), cfg, channel)
+        follow(loaded.model, plan.local_arch(), cfg, channel, make_drafter)
         yield None
         return
-    engine = LLMEngine(TPLeader(loaded.model, plan.local_arch(), channel), loaded.tokenizer, cfg)
+    leader = TPLeader(loaded.model, plan.local_arch(), channel)
     try:
+        engine = (LLMEngine(leader, loaded.tokenizer, cfg) if build is None
+                  else build(leader, channel, cfg))
+        engine.cache = LeaderKVCache.of(engine.cache, channel)  # tree compaction reaches all
         yield engine
     except BaseException:
         with suppress(Exception):  # followers still up (the leader's own error) stop too

@@ -24,28 +24,11 @@ def parallelize(model: TransformerLM, tp: TPGroup) -> ShardPlan:
     arch = model.arch
     plan = ShardPlan(arch, tp.size, tp.rank)
     specs = plan.specs()
-    d = arch.head_dim
     ref = model.embed_tokens.weight
     kw = {"device": ref.device, "dtype": ref.dtype}
     with torch.no_grad():
         for n, layer in enumerate(model.layers):
-            p = f"layers.{n}."
-            attn, mlp = layer.self_attn, layer.mlp
-            old = attn.qkv_proj
-            rows = (plan.heads + 2 * plan.kv_heads) * d
-            attn.qkv_proj = _fill(ColumnParallelLinear(old.in_features, rows,
-                                                       bias=old.bias is not None, **kw),
-                                  old, specs, p + "self_attn.qkv_proj")
-            attn.heads, attn.kv_heads = plan.heads, plan.kv_heads
-            attn.q_size, attn.kv_size = plan.heads * d, plan.kv_heads * d
-            attn.o_proj = _fill(RowParallelLinear(plan.heads * d, arch.hidden_size, tp, **kw),
-                                attn.o_proj, specs, p + "self_attn.o_proj")
-            mlp.gate_up_proj = _fill(ColumnParallelLinear(arch.hidden_size, 2 * plan.inter,
-                                                          bias=False, **kw),
-                                     mlp.gate_up_proj, specs, p + "mlp.gate_up_proj")
-            mlp.down_proj = _fill(RowParallelLinear(plan.inter, arch.hidden_size, tp, **kw),
-                                  mlp.down_proj, specs, p + "mlp.down_proj")
-            mlp.inter = plan.inter
+            parallelize_layer(layer, plan, specs, f"layers.{n}.", tp)
         rows = plan.vocab_per_rank
         emb = _fill(VocabParallelEmbedding(rows, arch.hidden_size, plan.vocab_start,
                                            arch.vocab_size, tp, **kw),
@@ -58,6 +41,32 @@ def parallelize(model: TransformerLM, tp: TPGroup) -> ShardPlan:
         model.embed_tokens, model.lm_head = emb, head
     model.requires_grad_(False)
     return plan
+
+
+def parallelize_layer(layer: nn.Module, plan: ShardPlan, specs: dict[str, ShardSpec],
+                      prefix: str, tp: TPGroup) -> None:
+    """One decoder layer (the target's, or a draft head's, whose attention has the target's
+    shape) in place: qkv and gate/up column-parallel, o and down row-parallel (one all-reduce
+    each), attention on the rank's local heads. prefix: the layer's name in `specs`."""
+    arch, d = plan.arch, plan.arch.head_dim
+    attn, mlp = layer.self_attn, layer.mlp
+    ref = attn.qkv_proj.weight
+    kw = {"device": ref.device, "dtype": ref.dtype}
+    old = attn.qkv_proj
+    rows = (plan.heads + 2 * plan.kv_heads) * d
+    attn.qkv_proj = _fill(ColumnParallelLinear(old.in_features, rows,
+                                               bias=old.bias is not None, **kw),
+                          old, specs, prefix + "self_attn.qkv_proj")
+    attn.heads, attn.kv_heads = plan.heads, plan.kv_heads
+    attn.q_size, attn.kv_size = plan.heads * d, plan.kv_heads * d
+    attn.o_proj = _fill(RowParallelLinear(plan.heads * d, arch.hidden_size, tp, **kw),
+                        attn.o_proj, specs, prefix + "self_attn.o_proj")
+    mlp.gate_up_proj = _fill(ColumnParallelLinear(arch.hidden_size, 2 * plan.inter,
+                                                  bias=False, **kw),
+                             mlp.gate_up_proj, specs, prefix + "mlp.gate_up_proj")
+    mlp.down_proj = _fill(RowParallelLinear(plan.inter, arch.hidden_size, tp, **kw),
+                          mlp.down_proj, specs, prefix + "mlp.down_proj")
+    mlp.inter = plan.inter
 
 
 def retie(model: TransformerLM) -> None:

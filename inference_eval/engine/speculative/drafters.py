@@ -189,12 +189,14 @@ class HeadDrafter(_HeadLogits, Drafter):
     _refilled: tuple[list[int], torch.Tensor | None, torch.Tensor | None] = ([], None, None)
 
     def __init__(self, head: nn.Module, num_pages: int, page_size: int, device, dtype,
-                 sync_free: bool = False) -> None:
+                 sync_free: bool = False, cache_arch=None) -> None:
+        """cache_arch: the arch of the head's cache (default head.arch; under tensor
+        parallelism the rank's local KV heads)."""
         self._setup(head, device, dtype)
         # The head's layer has the target's attention shape, so the verify plan serves it.
         self.sync_free = sync_free
         self.page_size = page_size
-        a = head.arch
+        a = head.arch if cache_arch is None else cache_arch
         self.cache = KVCache.for_arch(a, num_pages, page_size, dtype, device)  # a: one layer
         self.aux_layers = list(head.cfg.aux_layers) if head.cfg.type == "eagle3" else []
         self.carry: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
