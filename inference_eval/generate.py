@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,23 +60,54 @@ def read_prompts(path: str) -> list:
 def main(cfg: GenerateConfig) -> list:
     # Prompts first: a bad line fails in a second, not after loading the target.
     prompts = list(cfg.prompts) + (read_prompts(cfg.prompts_file) if cfg.prompts_file else [])
-    if cfg.engine.tensor_parallel > 1:  # under torchrun: rank 0 generates, the others follow
-        from inference_eval.engine.parallel.runner import tensor_parallel_engine
-
-        tp = cfg.engine.tensor_parallel
-        if int(os.environ.get("WORLD_SIZE", tp)) != tp:
-            raise ValueError("generate runs one tensor-parallel replica: launch exactly "
-                             f"engine.tensor_parallel={tp} processes")
-        with tensor_parallel_engine(cfg.target, cfg.engine) as engine:
-            return [] if engine is None else _generate(engine, prompts, cfg)
+    if cfg.engine.tensor_parallel > 1:
+        return _main_tensor_parallel(cfg, prompts)
     loaded = load_target(cfg.target, device=cfg.engine.resolve_device())
-    return _generate(LLMEngine(loaded.model, loaded.tokenizer, cfg.engine), prompts, cfg)
+    engine = LLMEngine(loaded.model, loaded.tokenizer, cfg.engine)
+    results, dt = _generate(engine, prompts, cfg)
+    _write(results, dt, engine.num_steps, cfg)
+    return results
 
 
-def _generate(engine: LLMEngine, prompts: list, cfg: GenerateConfig) -> list:
+def _main_tensor_parallel(cfg: GenerateConfig, prompts: list) -> list:
+    """Under torchrun: world / T replicas each generate every replicas-th prompt (replicas.py);
+    global rank 0 prints and writes all results in prompt order, every other rank returns []."""
+    from inference_eval.engine.parallel.group import close_tensor_parallel, init_tensor_parallel
+    from inference_eval.engine.parallel.replicas import (gather_to_first, leaders_group, share,
+                                                         unshare)
+    from inference_eval.engine.parallel.runner import load_tp_target, serve
+
+    tp = init_tensor_parallel(cfg.engine.tensor_parallel, cfg.engine.device,
+                              cfg.engine.tp_timeout_s)
+    parts = None
+    try:
+        leaders = leaders_group(tp)
+        mine = share(prompts, tp, "prompts")
+        loaded, plan = load_tp_target(cfg.target, tp, with_tokenizer=tp.is_leader,
+                                      expert_parallel=cfg.engine.expert_parallel)
+        with serve(loaded, plan, cfg.engine, tp) as engine:
+            if engine is not None:
+                results, dt = _generate(engine, mine, cfg)
+                parts = gather_to_first((results, dt, engine.num_steps), tp, leaders)
+    finally:
+        close_tensor_parallel()
+    if parts is None:
+        return []
+    results = unshare([p[0] for p in parts])
+    for i, r in enumerate(results):
+        r.id = i  # ids were per replica
+    # The replicas ran side by side: the slowest one's time; the steps of all.
+    _write(results, max(p[1] for p in parts), sum(p[2] for p in parts), cfg)
+    return results
+
+
+def _generate(engine: LLMEngine, prompts: list, cfg: GenerateConfig) -> tuple[list, float]:
     t0 = time.perf_counter()
     results = engine.generate(prompts, cfg.sampling, chat=cfg.chat)
-    dt = time.perf_counter() - t0
+    return results, time.perf_counter() - t0
+
+
+def _write(results: list, dt: float, steps: int, cfg: GenerateConfig) -> None:
     ntok = sum(len(r.token_ids) for r in results)
     for r in results:
         head = f"--- prompt {r.id} ({r.finish_reason}, {len(r.token_ids)} tokens)"
@@ -85,13 +115,12 @@ def _generate(engine: LLMEngine, prompts: list, cfg: GenerateConfig) -> list:
         if r.text:
             print(r.text)
     print(f"generated {ntok} tokens for {len(results)} prompts in {dt:.1f}s "
-          f"({ntok / max(dt, 1e-9):.1f} tok/s, {engine.num_steps} engine steps)")
+          f"({ntok / max(dt, 1e-9):.1f} tok/s, {steps} engine steps)")
     if cfg.output:
         with open(cfg.output, "w") as f:
             for r in results:
                 f.write(json.dumps(asdict(r)) + "\n")
         print(f"wrote {cfg.output}")
-    return results
 
 
 if __name__ == "__main__":

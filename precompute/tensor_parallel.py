@@ -90,7 +90,8 @@ class Replica:
 
     def load(self) -> LoadedTarget:
         """The leader's shard of the target (the followers load theirs meanwhile)."""
-        loaded, self.plan = load_tp_target(self.target, self.tp, with_tokenizer=True)
+        loaded, self.plan = load_tp_target(self.target, self.tp, with_tokenizer=True,
+                                           expert_parallel=self.engine.expert_parallel)
         return loaded
 
     @contextmanager
@@ -151,7 +152,8 @@ def check_launch(tensor_parallel: int) -> None:
 
 
 def _follow(replica: Replica) -> int:
-    loaded, plan = load_tp_target(replica.target, replica.tp, with_tokenizer=False)
+    loaded, plan = load_tp_target(replica.target, replica.tp, with_tokenizer=False,
+                                  expert_parallel=replica.engine.expert_parallel)
     if not _open_gate(replica.gate, replica.tp, go=False):
         return 0
     return follow(loaded.model, plan.local_arch(), replica.engine, StepChannel(replica.tp))

@@ -29,8 +29,18 @@
 # weights fingerprint in manifest.json). TARGET_PATH may be the hub id: the trainer downloads
 # config.json, the safetensors index and only the shards holding embed_tokens, norm and
 # lm_head (heads/frozen.py), or a local copy.
-# Validation is off: the engine-side validator loads the whole target on rank 0 (on
-# engine.device), which for 70B is a job for `python -m inference_eval` on the saved head.
+# Validation is on, at engine.tensor_parallel=$VAL_TP (8: the 8 trainer ranks are one engine
+# replica; train/tp_validation.py, docs/training.md "Validation under tensor parallelism"):
+# every rank loads its 1/8 of the target once (17.6 GB in bf16, read slice by slice), beside
+# the trainer's ~47 GB, and every VAL_EVERY steps the 8 ranks validate together: teacher-
+# forced metrics on held-out conversations through the split target, then real speculative
+# decoding with the head split like the target (its real τ and α_k, the eval CLI's at TP=8):
+# an estimated 20-40 s per validation (not measured yet). Memory per GPU during validation:
+# ~47 + 17.6 GB + the 2 GB KV cache + the head's ~4 GB fp32 copy while it is split, ~71 of
+# 80 GB; training's activations are freed by then. A head over a DeepSeek target is not split
+# under TP yet: use VAL_TP=1 there (the whole V2-Lite target, 31 GB, on rank 0 beside its
+# ~6 GB head).
+# validation.enabled=false as an extra override turns it off.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,6 +52,8 @@ NPROC=${NPROC:-8}
 BATCH_TOKENS=${BATCH_TOKENS:-16384}  # per rank and micro-batch
 GRAD_ACCUM=${GRAD_ACCUM:-2}
 STEPS=${STEPS:-4000}
+VAL_TP=${VAL_TP:-8}  # ranks per validation replica; NPROC must be a multiple
+VAL_EVERY=${VAL_EVERY:-250}
 PYTHON=${PYTHON:-.venv/bin/python}
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}  # 16 threads x 8 ranks oversubscribe the host
@@ -56,5 +68,7 @@ exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -
   trainer.strategy=ddp trainer.mixed_precision=bf16 trainer.device=cuda \
   trainer.max_steps="$STEPS" trainer.loss_chunk=1024 \
   trainer.log_every=10 trainer.save_every=250 trainer.progress=true trainer.wandb=offline \
-  validation.enabled=false \
+  trainer.eval_every="$VAL_EVERY" validation.enabled=true validation.num_conversations=16 \
+  validation.tau_prompts=12 validation.tau_max_new_tokens=64 \
+  engine.tensor_parallel="$VAL_TP" engine.device=cuda engine.kv_cache_gb=2 \
   output_dir="$OUT" "$@"

@@ -22,8 +22,16 @@ def fit_head_on(loaded, seqs: list[list[int]], steps: int = 40, lr: float = 3e-3
                               compute_logits=False).hidden.float()
     torch.manual_seed(0)
     head = build_head(cfg or HeadConfig(type="mtp"), frozen_parts_of(loaded), seed=0)
+    return train_steps(head, PackedBatch(ids, hidden, torch.ones(len(ids), dtype=torch.bool),
+                                         lens), steps, lr)
+
+
+def train_steps(head, batch: PackedBatch, steps: int, lr: float, seed: int | None = None):
+    """`steps` full-batch AdamW steps of `head` on `batch` (torch seeded first when `seed`
+    is given: the heads that draw anchors or rollouts draw the same ones every run)."""
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
-    batch = PackedBatch(ids, hidden, torch.ones(len(ids), dtype=torch.bool), lens)
+    if seed is not None:
+        torch.manual_seed(seed)
     for _ in range(steps):
         loss, _ = head(batch)
         loss.backward()

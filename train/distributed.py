@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import torch
 
@@ -76,3 +77,28 @@ def gather_objects(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+CHUNK_BYTES = 1 << 28  # 256 MiB per broadcast: a 70B head's 4 GB file never sits whole on a GPU
+
+
+def broadcast_dir(path: Path, src: int, group, device: torch.device) -> None:
+    """Collective over `group`: the files of directory `path` on global rank `src` are written
+    byte for byte into `path` on the group's other ranks (each its own directory), in chunks
+    through `device` (CUDA under NCCL). A head checkpoint reaches the tensor-parallel
+    validator's ranks this way whether or not they share a filesystem."""
+    import torch.distributed as dist
+
+    sender = dist.get_rank() == src
+    files = [[(p.name, p.stat().st_size) for p in sorted(path.iterdir()) if p.is_file()]
+             if sender else None]
+    dist.broadcast_object_list(files, src=src, group=group, device=device)
+    for name, size in files[0]:
+        with open(path / name, "rb" if sender else "wb") as f:
+            for start in range(0, size, CHUNK_BYTES):
+                n = min(CHUNK_BYTES, size - start)
+                buf = (torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8).to(device)
+                       if sender else torch.empty(n, dtype=torch.uint8, device=device))
+                dist.broadcast(buf, src=src, group=group)
+                if not sender:
+                    f.write(buf.cpu().numpy().tobytes())

@@ -27,6 +27,7 @@ from train.state import (RunShape, latest_checkpoint, load_training_state, save_
 from train.online import check_warm_start_target, online_progress, online_source
 from train.recipe import init_from_target_layer, rollout_depth, steps_from_epochs, warm_start
 from train.selection import Selection
+from train.tp_validation import TPValidator
 from train.validate import Validator
 
 
@@ -92,8 +93,13 @@ def train(cfg: TrainConfig) -> dict:
         start, position = resume.step, resume.position
         acc.print(f"resuming from {ck} at step {start}")
     # The validator (target + held-out data) is built before the first step, so its errors
-    # do not wait for the first evaluation; it lives on rank 0 only.
-    validator = Validator(cfg) if cfg.validation.enabled and acc.is_main_process else None
+    # do not wait for the first evaluation. It lives on rank 0 with the whole target, or at
+    # engine.tensor_parallel > 1 on every rank, each with its shard (train/tp_validation.py).
+    validator = None
+    if cfg.validation.enabled and cfg.engine.tensor_parallel > 1:
+        validator = TPValidator(cfg, head, acc.device)
+    elif cfg.validation.enabled and acc.is_main_process:
+        validator = Validator(cfg)
     # The scheduler stays unprepared: accelerate's wrapper steps it num_processes times per
     # optimizer step (it assumes the batch grows with the world), which would make a DDP run's
     # schedule differ from one process's with the same global batch.
@@ -200,20 +206,22 @@ def log_window(acc, logger, bar, window: torch.Tensor, micro: int, tokens: int, 
     return last
 
 
-def evaluate(validator: Validator | None, full: FullState, parts, acc):
-    """Collective under FSDP (the head is gathered into a full copy on rank 0). Returns
-    (metrics, the full head they were measured on) on rank 0, (None, None) elsewhere."""
+def evaluate(validator: Validator | TPValidator | None, full: FullState, parts, acc):
+    """Collective under FSDP (the head is gathered into a full copy on rank 0) and under
+    tensor parallelism (every rank holds a TPValidator: replica 0 runs the target's and the
+    head's shards). Returns (metrics, the full head they were measured on) on rank 0, (None,
+    None) elsewhere."""
     head = full.module
     if full.strategy == "fsdp":
         weights = full.head_weights()
-        if validator is not None:
+        if acc.is_main_process and validator is not None:
             with torch.random.fork_rng(devices=[]):  # build_head seeds the global generator
                 head = build_head(head.cfg, parts, draft_vocab=weights.get("d2t_ids"))
             head = cast_for_training(head, acc.mixed_precision).to(acc.device)
             head.load_state_dict(weights, strict=False)
     metrics = validator(head, autocast=acc.autocast) if validator is not None else None
     acc.wait_for_everyone()
-    return metrics, (head if validator is not None else None)
+    return (metrics, head) if metrics is not None else (None, None)
 
 
 def validation_line(step: int, val: dict) -> str:

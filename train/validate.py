@@ -7,7 +7,9 @@ conversations the head then drafts for real (inference_eval's speculative engine
 chain of K drafts), which gives the measured τ and α_k beside the teacher-forced expectations
 (docs/evaluation.md), so differences between training and serving numerics show up.
 
-The loop owns one Validator (target and data are loaded once) and calls it on rank 0.
+The loop owns one Validator (target and data are loaded once) and calls it on rank 0; with
+engine.tensor_parallel=T > 1 every trainer rank takes part through train/tp_validation.py,
+which runs the same measurements over the target's and the head's shards.
 """
 from __future__ import annotations
 
@@ -26,16 +28,26 @@ from inference_eval.engine.attention import BatchLayout
 from inference_eval.engine.attention.torch_backend import TorchAttentionBackend
 from inference_eval.engine.kv_cache import KVCache
 from inference_eval.engine.model.transformer import StepContext
-from inference_eval.engine.target import load_target
+from inference_eval.engine.target import LoadedTarget, load_target
 from precompute.data import DataConfig, load_conversations, tokenize_conversations
 from train.config import TrainConfig
 
 
+def head_draft(checkpoint: str, k: int):
+    """The real-τ run's draft: the head checkpoint as a greedy chain of k drafts."""
+    from inference_eval.evaluation.config import DraftConfig
+
+    return DraftConfig(kind="head", name="val", checkpoint=checkpoint, scheme="chain", num_draft=k)
+
+
 class Validator:
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, loaded: LoadedTarget | None = None) -> None:
+        """loaded: the target to validate with; default cfg.target, loaded whole on the
+        engine's device (under tensor parallelism: the leader's shard, tp_validation.py)."""
         v = cfg.validation
         self.engine_cfg = cfg.engine
-        self.loaded = load_target(cfg.target, device=cfg.engine.resolve_device())
+        self.loaded = loaded if loaded is not None else load_target(
+            cfg.target, device=cfg.engine.resolve_device())
         self.device = next(self.loaded.model.parameters()).device
         data = DataConfig(source="sharegpt" if v.path is None or v.path.endswith(".json") else "jsonl",
                           path=v.path, skip=v.skip, limit=v.num_conversations, max_length=v.max_length)
@@ -58,21 +70,30 @@ class Validator:
                  ) -> dict:
         """Metrics of `head` (a full, unsharded head). `autocast`: the training loop's autocast,
         so the teacher-forced numbers use training numerics; the engine runs without it."""
+        return self.measure(head, autocast, self.loaded.model, self._spec_engine)
+
+    def measure(self, head: DraftHead, autocast, target, spec_engine: Callable) -> dict:
+        """__call__'s metrics with the target and engine given: target(ids, plan, None,
+        compute_logits=False, aux_layers=...) runs the teacher-forced forwards (the model, or
+        the tensor-parallel leader's TPLeader, whose followers run their shards);
+        spec_engine(head, k) -> the speculative engine drafting a greedy chain of k with
+        `head` (k = chain_k(head))."""
         was_training = head.training
         head.eval()
         try:
             with torch.no_grad():
-                result = self._teacher_forced(head, autocast, self.records)
+                result = self._teacher_forced(head, autocast, self.records, target)
             if self.tau_prompts:
-                real, outputs = self._real_tau(head)
+                real, outputs = self._real_tau(head, spec_engine)
                 result.update(real)
                 # The same expectation on the very text the engine just generated (prompt +
                 # greedy answer, loss on the answer): beside real τ, it isolates train/serve
                 # differences from the held-out data's own off-policy text.
-                k_train, head.cfg.num_steps = head.cfg.num_steps, self.tau_k or head.cfg.num_steps
+                k_train, head.cfg.num_steps = head.cfg.num_steps, self.chain_k(head)
                 try:  # the rollout as deep as the chain the engine drafted
                     with torch.no_grad():
-                        tf = self._teacher_forced(head, autocast, outputs, engine_check=False)
+                        tf = self._teacher_forced(head, autocast, outputs, target,
+                                                  engine_check=False)
                 finally:
                     head.cfg.num_steps = k_train
                 result.update({"tf_outputs_exp_tau_greedy": tf["exp_tau_greedy"],
@@ -81,11 +102,17 @@ class Validator:
             head.train(was_training)
         return result
 
+    def chain_k(self, head: DraftHead) -> int:
+        """K of the real-τ chain: validation.tau_num_draft, else the head's num_steps."""
+        return self.tau_k or head.cfg.num_steps
+
     # ---- teacher-forced: expected acceptance, and step 1 through the paged KV cache -------
-    def _teacher_forced(self, head: DraftHead, autocast, records, engine_check: bool = True) -> dict:
-        """Teacher-forced metrics over `records` (TokenizedRecord-like: input_ids, loss_mask);
-        engine_check: also run step 1 through the engine's paged attention and compare."""
-        model, dev = self.loaded.model, head.rope_cos.device
+    def _teacher_forced(self, head: DraftHead, autocast, records, model,
+                        engine_check: bool = True) -> dict:
+        """Teacher-forced metrics over `records` (TokenizedRecord-like: input_ids, loss_mask)
+        with the target forwards of `model`; engine_check: also run step 1 through the
+        engine's paged attention and compare."""
+        dev = head.rope_cos.device
         aux_layers = list(head.cfg.aux_layers) if head.cfg.reads_aux else []
         total = None
         diffs = []
@@ -129,20 +156,23 @@ class Validator:
         return head.step(tokens, first, ctx)[1]
 
     # ---- real speculative decoding --------------------------------------------------------
-    def _real_tau(self, head: DraftHead) -> dict:
-        """Greedy chain speculation with the engine the eval CLI builds (inference_eval's
-        build_engine): the head goes through a head checkpoint, as it would be served."""
-        from inference_eval.evaluation.config import DraftConfig
+    def _spec_engine(self, head: DraftHead, k: int):
+        """The engine the eval CLI builds (inference_eval's build_engine): the head goes
+        through a head checkpoint, as it would be served."""
         from inference_eval.evaluation.engines import build_engine
+
+        with tempfile.TemporaryDirectory(prefix="specheads_val_head_") as tmp:
+            save_head(head, tmp)
+            return build_engine(self.loaded, self.engine_cfg, head_draft(tmp, k))  # reads it now
+
+    def _real_tau(self, head: DraftHead, spec_engine: Callable) -> dict:
+        """Greedy chain speculation with spec_engine(head, k)."""
         from inference_eval.evaluation.metrics import TurnOutput
         from inference_eval.evaluation.metrics import summarize as summarize_outputs
         from inference_eval.engine.sampling import SamplingParams
 
-        k = self.tau_k or head.cfg.num_steps
-        with tempfile.TemporaryDirectory(prefix="specheads_val_head_") as tmp:
-            save_head(head, tmp)
-            draft = DraftConfig(kind="head", name="val", checkpoint=tmp, scheme="chain", num_draft=k)
-            engine = build_engine(self.loaded, self.engine_cfg, draft)  # reads the head now
+        k = self.chain_k(head)
+        engine = spec_engine(head, k)
         params = SamplingParams(temperature=0.0, max_new_tokens=self.tau_max_new_tokens)
         results = engine.generate(self.tau_prompts, params, chat=False, progress=False)
         del engine  # its KV cache

@@ -45,6 +45,9 @@ class EngineConfig:
     # and the seconds a rank waits on the others before it stops with an error.
     tensor_parallel: int = 1
     tp_timeout_s: float = 300.0
+    # DeepSeek targets under tensor_parallel > 1: split the routed experts whole over the
+    # replica's ranks (expert parallelism) instead of each expert's intermediate dimension.
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:
@@ -66,6 +69,10 @@ class EngineConfig:
         if self.tensor_parallel > 1 and self.compile:
             raise ValueError("engine.compile=true is single-device: use it with "
                              "engine.tensor_parallel=1")
+        if self.expert_parallel and self.tensor_parallel < 2:
+            raise ValueError("engine.expert_parallel=true splits the routed experts over the "
+                             "tensor-parallel ranks: it needs engine.tensor_parallel > 1, got "
+                             f"{self.tensor_parallel}")
         if self.tp_timeout_s <= 0:
             raise ValueError(f"engine.tp_timeout_s must be > 0, got {self.tp_timeout_s}")
         if self.kv_cache_gb <= 0:

@@ -185,39 +185,46 @@ def main(cfg: EvalConfig) -> dict[str, Any]:
     @contextmanager
     def session(draft: DraftConfig) -> Iterator[Callable[[], Any]]:
         yield lambda: build_engine(loaded, engine_cfg, draft)
-    return _evaluate(cfg, items, drafts, loaded, device, session, leader=True)
+    runs = _run_all(cfg, items, drafts, loaded, session, leader=True)
+    return _write(cfg, runs, loaded, items, device)
 
 
 def _main_tensor_parallel(cfg: EvalConfig, items: Sequence[PromptItem],
                           drafts: list[DraftConfig]) -> dict[str, Any]:
-    """Under torchrun: one replica of engine.tensor_parallel ranks. Every run is one
-    parallel.runner.serve session: rank 0 schedules, drafts, samples and writes the report;
-    the others run their shard of the target (and of a head: evaluation.engines
-    build_tp_spec_engine) for each of its calls, and return {}."""
-    import os
-
+    """Under torchrun: world / engine.tensor_parallel replicas, each running every run on
+    its share of the prompts (parallel/replicas.py). Every run is one parallel.runner.serve
+    session per replica: its leader schedules, drafts and samples; the others run their
+    shard of the target (and of a head: evaluation.engines build_tp_spec_engine) for each of
+    its calls. Global rank 0 merges the replicas' runs and writes the report; every other
+    rank returns {}."""
     from inference_eval.engine.parallel.group import close_tensor_parallel, init_tensor_parallel
+    from inference_eval.engine.parallel.replicas import gather_to_first, leaders_group, share
     from inference_eval.engine.parallel.runner import load_tp_target, serve
     from inference_eval.evaluation.engines import build_tp_spec_engine
+    from inference_eval.evaluation.report import merge_replicas
 
     size = cfg.engine.tensor_parallel
-    if int(os.environ.get("WORLD_SIZE", size)) != size:
-        raise ValueError("the eval runs one tensor-parallel replica: launch exactly "
-                         f"engine.tensor_parallel={size} processes")
     tp = init_tensor_parallel(size, cfg.engine.device, cfg.engine.tp_timeout_s)
-    engine_cfg = replace(cfg.engine, max_batch_size=cfg.eval.batch_size)  # as _evaluate's
+    engine_cfg = replace(cfg.engine, max_batch_size=cfg.eval.batch_size)  # as _run_all's
     try:
-        loaded, plan = load_tp_target(cfg.target, tp, with_tokenizer=tp.is_leader)
+        leaders = leaders_group(tp)
+        mine = share(items, tp, "prompts")
+        loaded, plan = load_tp_target(cfg.target, tp, with_tokenizer=tp.is_leader,
+                                      expert_parallel=cfg.engine.expert_parallel)
 
         @contextmanager
         def session(draft: DraftConfig) -> Iterator[Callable[[], Any] | None]:
             build, make_drafter = build_tp_spec_engine(loaded, plan, tp, draft)
             with serve(loaded, plan, engine_cfg, tp, build, make_drafter) as engine:
                 yield None if engine is None else _once(engine)
-        report = _evaluate(cfg, items, drafts, loaded, tp.device, session, tp.is_leader)
+        runs = _run_all(cfg, mine, drafts, loaded, session, tp.is_leader)
+        parts = gather_to_first(runs, tp, leaders) if tp.is_leader else None
     finally:
         close_tensor_parallel()
-    return report if tp.is_leader else {}
+    if parts is None:
+        return {}
+    runs = merge_replicas(parts, [it.id for it in items]) if len(parts) > 1 else parts[0]
+    return _write(cfg, runs, loaded, items, tp.device)
 
 
 def _once(engine) -> Callable[[], Any]:
@@ -234,11 +241,11 @@ def _once(engine) -> Callable[[], Any]:
     return make
 
 
-def _evaluate(cfg: EvalConfig, items: Sequence[PromptItem], drafts: list[DraftConfig],
-              loaded: LoadedTarget, device: torch.device, session,
-              leader: bool) -> dict[str, Any]:
+def _run_all(cfg: EvalConfig, items: Sequence[PromptItem], drafts: list[DraftConfig],
+             loaded: LoadedTarget, session, leader: bool) -> list[RunResult] | None:
     """Every run in order, each inside session(draft), which yields its engine factory (None
-    on a tensor-parallel follower, which only serves the run; it returns {})."""
+    on a tensor-parallel follower, which only serves the run; it returns None). Returns the
+    runs, baseline first, each combined over its eval.repeats passes."""
     # The engine's max batch IS the benchmark's concurrency, identical for every run.
     engine_cfg = replace(cfg.engine, max_batch_size=cfg.eval.batch_size)
     if leader:
@@ -258,9 +265,12 @@ def _evaluate(cfg: EvalConfig, items: Sequence[PromptItem], drafts: list[DraftCo
                 replay = {(o.prompt_id, o.turn): o.text or "" for o in res.outputs if o.ok}
             print(f"[{draft.label}] {len(res.outputs)} outputs in {res.wall_s:.1f}s"
                   + (f" (pass {rep + 1}/{cfg.eval.repeats})" if cfg.eval.repeats > 1 else ""))
-    if not leader:
-        return {}
-    runs = [combine_passes(p) for p in passes]
+    return [combine_passes(p) for p in passes] if leader else None
+
+
+def _write(cfg: EvalConfig, runs: list[RunResult], loaded: LoadedTarget,
+           items: Sequence[PromptItem], device: torch.device) -> dict[str, Any]:
+    engine_cfg = replace(cfg.engine, max_batch_size=cfg.eval.batch_size)
     report = build_report(runs, settings_of(cfg, loaded, items, engine_cfg, device))
     paths = write_report(report, cfg.output_dir, runs)
     print_summary(report)

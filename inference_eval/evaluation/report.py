@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -55,6 +55,27 @@ class RunResult:
     time_split_s: dict[str, float] = field(default_factory=dict)
     wall_s_passes: list[float] = field(default_factory=list)  # every timed pass (eval.repeats)
     counters: dict[str, int] = field(default_factory=dict)  # chain engines: rounds, host_syncs
+
+
+def merge_replicas(parts: Sequence[Sequence[RunResult]], order: Sequence[str]) -> list[RunResult]:
+    """One list of runs from data-parallel replicas that ran the same runs on disjoint
+    prompts at the same time (the eval at T x DP): outputs joined in `order` (prompt ids)
+    within each turn; a run's wall time is its slowest replica's (the replicas run side by
+    side), with that replica's time split; counters add up."""
+    rank = {pid: i for i, pid in enumerate(order)}
+    merged = []
+    for runs in zip(*parts):
+        slowest = max(runs, key=lambda r: r.wall_s)
+        outputs = sorted((o for r in runs for o in r.outputs),
+                         key=lambda o: (o.turn, rank[o.prompt_id]))
+        passes = [max(p) for p in zip(*(r.wall_s_passes or [r.wall_s] for r in runs))]
+        counters: dict[str, int] = {}
+        for r in runs:
+            for k, v in r.counters.items():
+                counters[k] = counters.get(k, 0) + v
+        merged.append(replace(slowest, outputs=outputs, wall_s_passes=passes,
+                              counters=counters))
+    return merged
 
 
 def _decode_tps(run: "RunResult", s: dict[str, Any]) -> float | None:

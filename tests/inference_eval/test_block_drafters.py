@@ -23,6 +23,7 @@ from inference_eval.engine.speculative.block_drafters import BlockContextDrafter
 from inference_eval.evaluation.engines import build_engine, frozen_parts_of
 from engine_cases import load_tiny, random_prompts
 from spec_stats import chi2_pvalue
+from fit_head import train_steps
 
 CFG = dict(attention="torch", page_size=4)
 AUX = [0, 1, 2]
@@ -52,15 +53,8 @@ def fit_block_head(loaded, seqs: list[list[int]], kind: str, steps: int = 60, lr
         hidden, aux = _states(loaded, ids, lens)
     head = build_head(HeadConfig(**KINDS[kind], aux_layers=AUX, anchors_per_seq=1000),
                       frozen_parts_of(loaded), seed=0)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
     batch = PackedBatch(torch.tensor(ids), hidden, torch.ones(len(ids), dtype=torch.bool), lens, aux)
-    torch.manual_seed(0)
-    for _ in range(steps):
-        loss, _ = head(batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return head.eval()
+    return train_steps(head, batch, steps, lr, seed=0).eval()
 
 
 def _ar(loaded, prompts, params):

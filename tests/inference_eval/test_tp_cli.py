@@ -52,3 +52,16 @@ def test_generate_with_tp_but_no_torchrun_is_one_line(tmp_path):
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("error: engine.tensor_parallel=2 needs one process per rank from "
                            "torchrun"), line
+
+
+def test_generate_at_tp2_x_dp2_equals_one_process(tmp_path):
+    """4 ranks, 2 replicas of 2: each replica generates every other prompt; rank 0 writes all
+    results in prompt order with their global ids."""
+    args = _args(tmp_path)
+    one = _run(args, tmp_path, "one")
+    four = _run(["-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr",
+                 "127.0.0.1", "--master_port", str(free_port()), *args,
+                 "engine.tensor_parallel=2"], tmp_path, "four")
+    assert [r["id"] for r in four] == list(range(len(PROMPTS)))
+    assert [r["token_ids"] for r in four] == [r["token_ids"] for r in one]
+    assert [r["prompt_ids"] for r in four] == [r["prompt_ids"] for r in one]

@@ -25,7 +25,7 @@ from inference_eval.engine.sampling import SamplingParams
 from inference_eval.engine.target import TargetConfig
 from inference_eval.evaluation.engines import build_engine, frozen_parts_of
 from engine_cases import load_tiny, random_prompts
-from fit_head import fit_head_on
+from fit_head import fit_head_on, train_steps
 from tiny_hf_models import perturbed_copy
 from tp_ranks import free_port
 
@@ -49,16 +49,9 @@ def _fit_eagle3(loaded, seqs, steps=60):
         out = loaded.model(torch.tensor(ids), TorchAttentionBackend().plan(BatchLayout.packed(lens)),
                            None, compute_logits=False, aux_layers=AUX)
     head = build_head(HeadConfig(type="eagle3", aux_layers=AUX), frozen_parts_of(loaded), seed=0)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     batch = PackedBatch(torch.tensor(ids), out.hidden.float(),
                         torch.ones(len(ids), dtype=torch.bool), lens, out.aux.float())
-    torch.manual_seed(0)
-    for _ in range(steps):
-        loss, _ = head(batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return head.eval()
+    return train_steps(head, batch, steps, 3e-3, seed=0).eval()
 
 
 def _cases(loaded, tiny_hf, tmp, greedy_text):

@@ -54,3 +54,35 @@ def test_eval_cli_at_tp2_equals_one_process(tmp_path):
         if b["scheme"] != "ar":
             assert b["lossless_check"]["mismatched"] == 0, b["name"]
     assert two["runs"][3]["mean_accept_len"] > 1 and two["runs"][4]["mean_accept_len"] > 1
+
+
+def test_eval_cli_at_tp2_x_dp2_merges_the_replicas(tmp_path):
+    """4 ranks, 2 replicas of 2: each replica evaluates every other prompt; rank 0's report
+    holds every prompt once, in order, with what one process generates and accepts."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "a", "category": "math", "prompt": "What is 2+2?"},
+        {"id": "b", "category": "writing", "prompt": "Write a haiku about caches."},
+        {"id": "c", "category": "code", "prompt": "def add(a, b):"}]) + "\n")
+    base = compose("eval", EvalConfig, ["target=tiny"])
+    save_head(build_head(HeadConfig(type="mtp"), frozen_parts_of(load_target(base.target)), seed=1),
+              tmp_path / "mtp")
+    args = [*FAST, "eval.batch_size=1", f"prompts.path={prompts}",
+            f"drafts=[{{kind:head,checkpoint:{tmp_path / 'mtp'},name:c2,num_draft:2}},"
+            "{kind:llm,llm:${target},name:self,num_draft:3}]"]
+    one = evaluate.main(compose("eval", EvalConfig, [*args, f"output_dir={tmp_path / 'one'}"]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr",
+         "127.0.0.1", "--master_port", str(free_port()), "-m", "inference_eval", *args,
+         f"output_dir={tmp_path / 'four'}", "engine.tensor_parallel=2"],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    four = json.loads((tmp_path / "four" / "report.json").read_text())
+    assert [r["name"] for r in four["runs"]] == ["ar", "c2", "self"]
+    for a, b in zip(one["runs"], four["runs"]):
+        for key in ("generated_tokens", "target_steps", "mean_accept_len", "accept_len_hist"):
+            assert a[key] == b[key], (a["name"], key)
+    assert four["runs"][2]["mean_accept_len"] > 1
+    assert four["runs"][2]["lossless_check"]["mismatched"] == 0
+    lines = [json.loads(x) for x in (tmp_path / "four" / "outputs.jsonl").read_text().splitlines()]
+    assert [x["id"] for x in lines if x["run"] == "ar"] == ["a", "b", "c"]

@@ -102,8 +102,9 @@ def generate_greedy(engine, prompts: list[list[int]], max_new_tokens: int) -> li
 
 def parity_worker(cases: dict, seqs: list[list[int]], prompts: list[list[int]],
                   engine_kw: dict, max_new_tokens: int) -> dict:
-    """Per case (name -> hf_dir): the split target's logits, greedy generations through the
-    one-scheduler engine, its identity, the collectives of one decode step."""
+    """Per case (name -> hf_dir, or (hf_dir, expert_parallel) for a DeepSeek target): the
+    split target's logits, greedy generations through the one-scheduler engine, its
+    identity, the collectives of one decode step."""
     from inference_eval.engine.config import EngineConfig
     from inference_eval.engine.parallel import comm
     from inference_eval.engine.parallel.group import init_tensor_parallel
@@ -118,8 +119,10 @@ def parity_worker(cases: dict, seqs: list[list[int]], prompts: list[list[int]],
     world = int(os.environ["WORLD_SIZE"])
     tp = init_tensor_parallel(world, "cpu", timeout_s=60)
     out = {}
-    for name, hf_dir in cases.items():
+    for name, case in cases.items():
+        hf_dir, expert_parallel = (case, False) if isinstance(case, str) else case
         loaded, plan = load_tp_target(TargetConfig(name=name, source="hf", path=hf_dir), tp,
+                                      expert_parallel=expert_parallel,
                                       with_tokenizer=False)
         res = {"identity": loaded.identity, "param_bytes": local_parameter_bytes(loaded.model),
                "logits": packed_logits(loaded.model, seqs)}
@@ -178,8 +181,8 @@ class _RecordingOpen:
         return _RecordingSlice(self.f.get_slice(name), name, self.log["slices"])
 
 
-def memory_worker(hf_dir: str) -> dict:
-    """This rank's parameter bytes after a sharded load, and every read it made."""
+def memory_worker(hf_dir: str, expert_parallel: bool = False) -> dict:
+    """This rank's parameter bytes after a sharded load, every read it made, its parameters."""
     from inference_eval.engine.parallel import loading
     from inference_eval.engine.parallel.group import init_tensor_parallel
     from inference_eval.engine.parallel.runner import load_tp_target
@@ -188,9 +191,11 @@ def memory_worker(hf_dir: str) -> dict:
 
     loading.safe_open = _RecordingOpen
     tp = init_tensor_parallel(int(os.environ["WORLD_SIZE"]), "cpu", timeout_s=60)
-    loaded, _ = load_tp_target(TargetConfig(source="hf", path=hf_dir), tp, with_tokenizer=False)
+    loaded, _ = load_tp_target(TargetConfig(source="hf", path=hf_dir), tp, with_tokenizer=False,
+                               expert_parallel=expert_parallel)
     return {"param_bytes": local_parameter_bytes(loaded.model), "reads": _RecordingOpen.log,
-            "identity": loaded.identity}
+            "identity": loaded.identity,
+            "params": {n: p.detach().clone() for n, p in loaded.model.named_parameters()}}
 
 
 def error_worker(hf_dir: str, tensor_parallel: int) -> str:

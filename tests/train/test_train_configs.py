@@ -39,7 +39,7 @@ def test_8xh100_script_overrides_compose():
     body = body.replace('"$@"', "").replace("\\\n", " ")
     fill = {"SHARDS": "/data/shards", "OUT": "runs/h", "BATCH_TOKENS": "16384",
             "GRAD_ACCUM": "2", "STEPS": "4000", "TARGET_PATH": "meta-llama/Llama-3.1-70B-Instruct",
-            "TARGET": "llama3_70b"}
+            "TARGET": "llama3_70b", "VAL_TP": "8", "VAL_EVERY": "250"}
     overrides = [re.sub(r"\$\{?(\w+)\}?", lambda m: fill[m.group(1)], tok)
                  for tok in shlex.split(body)]
     cfg = compose("train", TrainConfig, overrides)
@@ -50,4 +50,6 @@ def test_8xh100_script_overrides_compose():
                                         for tok in shlex.split(body)])
     assert ds.target.name == "deepseek_v2_lite" and ds.target.path == "deepseek-ai/DeepSeek-V2-Lite"
     assert cfg.trainer.strategy == "ddp" and cfg.trainer.mixed_precision == "bf16"
-    assert not cfg.validation.enabled
+    # Validation on, the 8 ranks one tensor-parallel replica of the engine (tp_validation.py).
+    assert cfg.validation.enabled and cfg.validation.tau_prompts > 0
+    assert cfg.engine.tensor_parallel == 8 and cfg.trainer.eval_every == 250

@@ -102,13 +102,15 @@ def follow(model: TransformerLM, arch: ModelArch, cfg: EngineConfig, channel: St
 
 
 def load_tp_target(cfg: TargetConfig, tp: TPGroup,
-                   with_tokenizer: bool = True) -> tuple[LoadedTarget, ShardPlan]:
+                   with_tokenizer: bool = True,
+                   expert_parallel: bool = False) -> tuple[LoadedTarget, ShardPlan]:
     """This rank's shard of the target. A checkpoint (hf, or gguf through its converted
     cache) is read slice by slice (loading.py); random targets (tests) are drawn whole, as
-    at size 1, then sliced. The identity's fingerprints equal size 1's."""
+    at size 1, then sliced. The identity's fingerprints equal size 1's. expert_parallel:
+    split a DeepSeek target's routed experts whole (engine.expert_parallel; shard.py)."""
     if cfg.source == "random":
         loaded = load_target(cfg, device=tp.device, with_tokenizer=with_tokenizer)
-        return loaded, parallelize(loaded.model, tp)
+        return loaded, parallelize(loaded.model, tp, expert_parallel)
     from transformers import AutoConfig
 
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -117,11 +119,11 @@ def load_tp_target(cfg: TargetConfig, tp: TPGroup,
     if dist.is_initialized() and dist.get_rank() == 0:
         dist.barrier()
     arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(hf_dir))
-    check_arch(arch, tp.size)  # before any allocation
+    check_arch(arch, tp.size, expert_parallel)  # before any allocation
     with torch.device("meta"):
         model = TransformerLM(arch)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    plan = parallelize(model, tp)
+    plan = parallelize(model, tp, expert_parallel)
     model = model.to_empty(device=tp.device)
     retie(model)
     _reset_rope(model)
@@ -177,7 +179,8 @@ def tensor_parallel_engine(target_cfg: TargetConfig,
     tp = init_tensor_parallel(engine_cfg.tensor_parallel, engine_cfg.device,
                               engine_cfg.tp_timeout_s)
     try:
-        loaded, plan = load_tp_target(target_cfg, tp, with_tokenizer=tp.is_leader)
+        loaded, plan = load_tp_target(target_cfg, tp, with_tokenizer=tp.is_leader,
+                                      expert_parallel=engine_cfg.expert_parallel)
         with serve(loaded, plan, engine_cfg, tp) as engine:
             yield engine
     finally:
