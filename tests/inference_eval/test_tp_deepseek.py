@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tiny_hf_models import fused_expert_names, hub_expert_names, make_tiny_deepseek
-from tp_ranks import generate_greedy, leader_result, packed_logits, run_ranks
+from tp_ranks import (generate_greedy, leader_result, packed_logits, parity_inputs,
+                      run_ranks)
 from inference_eval.engine.config import EngineConfig
 from inference_eval.engine.kv_cache import KVCache
 from inference_eval.engine.llm_engine import LLMEngine
@@ -34,18 +35,10 @@ FAMILIES = ("v2_lite", "v3")
 MODES = {"tp": False, "ep": True}  # case suffix -> expert_parallel
 
 
-def _inputs():
-    g = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (23, 9, 4)]
-    prompts = [torch.randint(3, 320, (n,), generator=g).tolist()
-               for n in (3, 17, 5, 30, 9, 1, 12, 24)]
-    return seqs, prompts
-
-
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     """family -> (hf_dir, T=1 logits, T=1 greedy tokens, T=1 identity, layers)."""
-    seqs, prompts = _inputs()
+    seqs, prompts = parity_inputs()
     out = {}
     for family in FAMILIES:
         d = tmp_path_factory.mktemp(f"tp_{family}")
@@ -59,7 +52,7 @@ def targets(tmp_path_factory):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_deepseek_tp_and_ep_match_one_process(world, targets, tmp_path):
-    seqs, prompts = _inputs()
+    seqs, prompts = parity_inputs()
     assert len({len(p) for p in prompts}) == len(prompts) == 8
     cases = {f"{family}_{mode}": (targets[family][0], ep)
              for family in FAMILIES for mode, ep in MODES.items()}

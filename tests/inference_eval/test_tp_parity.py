@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tiny_hf_models import make_tiny_hf
-from tp_ranks import generate_greedy, leader_result, packed_logits, run_ranks
+from tp_ranks import (generate_greedy, leader_result, packed_logits, parity_inputs,
+                      run_ranks)
 from inference_eval.engine.config import EngineConfig
 from inference_eval.engine.llm_engine import LLMEngine
 from inference_eval.engine.target import TargetConfig, load_target
@@ -29,14 +30,6 @@ CASES = {
 }
 
 
-def _inputs():
-    g = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (23, 9, 4)]
-    prompts = [torch.randint(3, 320, (n,), generator=g).tolist()
-               for n in (3, 17, 5, 30, 9, 1, 12, 24)]
-    return seqs, prompts
-
-
 def _reference(hf_dir: str, seqs, prompts, max_new: int):
     loaded = load_target(TargetConfig(source="hf", path=hf_dir), with_tokenizer=False)
     logits = packed_logits(loaded.model, seqs)
@@ -46,7 +39,7 @@ def _reference(hf_dir: str, seqs, prompts, max_new: int):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_matches_one_process(world, tmp_path):
-    seqs, prompts = _inputs()
+    seqs, prompts = parity_inputs()
     dirs = {}
     for name, (family, overrides) in CASES[world].items():
         d = tmp_path / name

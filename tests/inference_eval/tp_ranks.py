@@ -82,6 +82,16 @@ def leader_result(results: list[dict]):
 
 # ---- workers (run inside the ranks) -------------------------------------------------------
 
+def parity_inputs() -> tuple[list[list[int]], list[list[int]]]:
+    """(3 sequences for packed logits, 8 prompts of different lengths for greedy generation
+    with continuous batching), token ids of a 320-token vocabulary."""
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (23, 9, 4)]
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist()
+               for n in (3, 17, 5, 30, 9, 1, 12, 24)]
+    return seqs, prompts
+
+
 def packed_logits(model, seqs: list[list[int]]) -> torch.Tensor:
     """Every row's logits [T, V] of whole sequences in one cacheless step (all ranks call it)."""
     from inference_eval.engine.attention import BatchLayout

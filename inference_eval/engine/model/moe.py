@@ -83,22 +83,32 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] -> Σ_k weights · expert_ids(x) [T, H] (x's dtype)."""
-        out = torch.zeros_like(x)
         flat = ids.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        k = ids.shape[1]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            sel = order[start:start + n]
-            start += n
-            tok = sel // k
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).split([self.inter, self.inter], -1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
-            out.index_add_(0, tok, (y * weights.reshape(-1)[sel, None]).to(x.dtype))
-        return out
+        return expert_sum(self, x, weights, torch.arange(flat.numel(), device=flat.device), flat)
+
+
+def expert_sum(experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
+               local: torch.Tensor) -> torch.Tensor:
+    """Σ over the given (token, slot) pairs of weight · expert(x) -> [T, H] (x's dtype).
+
+    experts: gate_up_proj [n, 2 I, H], down_proj [n, H, I], inter = I; weights [T, k];
+    slots [N] flat token * k + slot indices to compute, local [N] their expert in 0..n-1.
+    One grouped product per expert (its tokens gathered), in expert order."""
+    out = torch.zeros_like(x)
+    k = weights.shape[1]
+    order = slots[local.argsort(stable=True)]
+    counts = torch.bincount(local, minlength=experts.gate_up_proj.shape[0]).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel = order[start:start + n]
+        start += n
+        tok = sel // k
+        gate, up = F.linear(x[tok], experts.gate_up_proj[e]).split([experts.inter] * 2, -1)
+        y = F.linear(F.silu(gate) * up, experts.down_proj[e])
+        out.index_add_(0, tok, (y * weights.reshape(-1)[sel, None]).to(x.dtype))
+    return out
 
 
 class MoE(nn.Module):

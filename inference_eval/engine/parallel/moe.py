@@ -17,11 +17,10 @@ with ONE all-reduce, so an MoE layer costs what a dense MLP layer does.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inference_eval.engine.model.mlp import MLP
-from inference_eval.engine.model.moe import Experts, MoE, Router
+from inference_eval.engine.model.moe import Experts, MoE, Router, expert_sum
 from inference_eval.engine.parallel import comm
 from inference_eval.engine.parallel.group import TPGroup
 
@@ -39,24 +38,9 @@ class LocalExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] (global expert ids) -> this rank's experts' share of
         Σ_k weights · expert_ids(x) [T, H] (zero rows for tokens routed elsewhere)."""
-        out = torch.zeros_like(x)
-        k = ids.shape[1]
         local = ids.reshape(-1) - self.start
         here = ((local >= 0) & (local < self.count)).nonzero().flatten()  # flat (token, slot)
-        local = local[here]
-        order = here[local.argsort(stable=True)]
-        counts = torch.bincount(local, minlength=self.count).tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            sel = order[start:start + n]
-            start += n
-            tok = sel // k
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).split([self.inter, self.inter], -1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
-            out.index_add_(0, tok, (y * weights.reshape(-1)[sel, None]).to(x.dtype))
-        return out
+        return expert_sum(self, x, weights, here, local[here])
 
 
 class ParallelMoE(MoE):
