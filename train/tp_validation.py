@@ -40,28 +40,11 @@ from train.distributed import broadcast_dir
 from train.validate import Validator, head_draft
 
 
-def check_tp_validation(cfg: TrainConfig, head: DraftHead) -> None:
-    """One line, before any group or training step, for a head the engine cannot draft with
-    under tensor parallelism yet (parallel/spec.py refuses it when the head is split)."""
-    t, what = cfg.engine.tensor_parallel, None
-    if not cfg.validation.tau_prompts:
-        return  # teacher-forced only: the head is never split
-    if head.cfg.draft_vocab_size is not None:
-        what = f"a reduced vocabulary (head.draft_vocab_size={head.cfg.draft_vocab_size})"
-    elif head.drafting != "chain":
-        what = f"a {head.cfg.type!r} head drafting {head.drafting!r} (a block drafter)"
-    if what is not None:
-        raise ValueError(f"validation's real τ under engine.tensor_parallel={t} does not support "
-                         f"{what} yet: set validation.tau_prompts=0 (teacher-forced metrics "
-                         "only) or engine.tensor_parallel=1 (the whole target on rank 0)")
-
-
 class TPValidator:
     """The loop's validator on every rank when engine.tensor_parallel=T > 1 (who does what:
     the module's docstring). device: the trainer's (acc.device), on which the shards live."""
 
     def __init__(self, cfg: TrainConfig, head: DraftHead, device: torch.device) -> None:
-        check_tp_validation(cfg, head)
         self.engine_cfg, self.tau_k = cfg.engine, cfg.validation.tau_num_draft
         self.real_tau = cfg.validation.tau_prompts > 0
         self.tp = init_tensor_parallel(cfg.engine.tensor_parallel, str(device),

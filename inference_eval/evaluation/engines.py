@@ -9,10 +9,11 @@ import dataclasses
 import functools
 
 from heads.checkpoint import load_head, read_head_config
+from heads.formats import specheads
 from heads.frozen import FrozenParts
 from inference_eval.engine.config import EngineConfig
 from inference_eval.engine.llm_engine import LLMEngine
-from inference_eval.engine.parallel.spec import ShardedHead
+from inference_eval.engine.parallel.spec import ShardedHead, full_lm_head
 from inference_eval.engine.speculative.block_drafters import (BlockContextDrafter,
                                                               ParallelHeadDrafter)
 from inference_eval.engine.speculative.drafters import HeadDrafter, LLMDrafter, MedusaDrafter
@@ -98,23 +99,22 @@ def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg,
 def build_tp_spec_engine(loaded: LoadedTarget, plan, tp, draft_cfg):
     """Speculative decoding under tensor parallelism: (build, make_drafter) for
     parallel.runner.serve. A head checkpoint is loaded on every rank and split with the
-    target (parallel/spec.py: its layer sharded, the target's vocabulary-parallel embedding
-    and lm_head shared); followers run its calls. A draft LLM and lookup live on the leader
-    only (followers get no drafter)."""
+    target (parallel/spec.py: its layers sharded, the target's vocabulary-parallel embedding
+    and lm_head shared, a reduced vocabulary's own rows replicated); followers run its calls.
+    A draft LLM and lookup live on the leader only (followers get no drafter)."""
     sharded = None
     if draft_cfg.kind == "head":
         meta = read_head_config(draft_cfg.checkpoint)
-        if meta.get("head", {}).get("draft_vocab_size"):
-            raise ValueError(f"head {draft_cfg.checkpoint} has a reduced vocabulary "
-                             "(head.draft_vocab_size): not supported under engine.tensor_parallel "
-                             f"={tp.size} yet; use tensor_parallel=1")
-        head = load_head(draft_cfg.checkpoint, frozen_parts_of(loaded))
-        if head.drafting != "chain":
-            raise ValueError(f"{draft_cfg.checkpoint} holds a {head.cfg.type!r} head drafting "
-                             f"{head.drafting!r} (a block drafter): not supported under "
-                             f"engine.tensor_parallel={tp.size} yet; use tensor_parallel=1")
+        parts = frozen_parts_of(loaded)  # the rank's rows of the embedding and lm_head
+        if meta.get("head", {}).get("draft_vocab_size") or not specheads.detect(meta):
+            # A reduced vocabulary's build reads its V_draft rows of the whole lm_head (a
+            # foreign checkpoint may hold one): gathered once, dropped by ShardedHead.
+            parts = dataclasses.replace(parts, lm_head=full_lm_head(loaded.model, plan, tp))
+        head = load_head(draft_cfg.checkpoint, parts)
         if not head.attends:
             _check_medusa(head, draft_cfg)  # on every rank, before any is split
+        elif head.drafting != "chain":
+            _block_drafter(head, draft_cfg, getattr(draft_cfg, "scheme", "chain"))  # its checks
         sharded = ShardedHead(head, loaded.model, plan, tp)
     sync_free = getattr(draft_cfg, "sync_free", False)
 

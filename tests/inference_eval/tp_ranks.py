@@ -256,3 +256,56 @@ def smollm2_worker(prompts: list[list[int]], max_new_tokens: int, engine_kw: dic
         if engine is not None:
             out["tokens"] = generate_greedy(engine, prompts, max_new_tokens)
     return out
+
+
+def block_heads_worker(hf_dir: str, cases: dict, prompts: list[list[int]], max_new: list[int],
+                       engine_kw: dict) -> dict:
+    """Per draft case (name -> draft config): greedy speculative generation at the world's
+    size (tokens, accepted and proposed per round, rounds), then the collectives of single
+    head calls: a DFlash block pass and context write, a chain head's step."""
+    from inference_eval.engine.attention import BatchLayout
+    from inference_eval.engine.config import EngineConfig
+    from inference_eval.engine.parallel import comm
+    from inference_eval.engine.parallel.group import init_tensor_parallel
+    from inference_eval.engine.parallel.runner import load_tp_target, serve
+    from inference_eval.engine.sampling import SamplingParams
+    from inference_eval.engine.target import TargetConfig
+    from inference_eval.evaluation.engines import build_tp_spec_engine
+
+    tp = init_tensor_parallel(int(os.environ["WORLD_SIZE"]), "cpu", timeout_s=60)
+    loaded, plan = load_tp_target(TargetConfig(name="llama3", source="hf", path=hf_dir), tp,
+                                  with_tokenizer=False)
+    h = loaded.model.arch.hidden_size
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in max_new]
+    out = {}
+    for name, draft in cases.items():
+        build, make = build_tp_spec_engine(loaded, plan, tp, draft)
+        with serve(loaded, plan, EngineConfig(**engine_kw), tp, build, make) as engine:
+            if engine is None:
+                continue
+            res = engine.generate(prompts, params, progress=False)
+            got = {"tokens": [r.token_ids for r in res],
+                   "accepted": [list(r.meta["accepted"]) for r in res],
+                   "proposed": [list(r.meta["proposed"]) for r in res],
+                   "rounds": engine.counters["rounds"], "calls": {}}
+            d = engine.drafter
+            with torch.inference_mode():
+                if name == "dflash":  # one block of B = 4 rows, then a context write of 2
+                    ones = torch.ones(4, 4, dtype=torch.bool)
+                    layout = BatchLayout([4], [8], [[0, 1]], 4, tree_masks=[ones])
+                    comm.reset()
+                    d.run(torch.tensor([5, 7, 7, 7]), None, engine.backend.plan(layout),
+                          torch.tensor([1, 2, 3]))
+                    got["calls"]["block"] = dict(comm.COUNTS)
+                    comm.reset()
+                    d._cache_context(torch.zeros(2, h), BatchLayout([2], [2], [[0]], 4))
+                    got["calls"]["context"] = dict(comm.COUNTS)
+                elif name == "eagle3_reduced":  # a draft step: no gather of logits
+                    layout = BatchLayout(q_lens=[1], kv_lens=[1], block_tables=[[0]], page_size=4)
+                    comm.reset()
+                    _, logits = d.run(torch.tensor([5]), torch.zeros(1, h),
+                                      engine.backend.plan(layout), torch.tensor([0]))
+                    got["calls"]["step"] = dict(comm.COUNTS)
+                    got["calls"]["finite"] = int(torch.isfinite(logits).sum())
+            out[name] = got
+    return out

@@ -4,8 +4,6 @@ ranks (the target and the head split between them, train/tp_validation.py) and l
 teacher-forced metrics equal up to summation order."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from fit_head import fit_on_greedy
@@ -14,7 +12,6 @@ from inference_eval.evaluation.engines import frozen_parts_of
 from inference_eval.hydra_app import compose
 from train.config import TrainConfig
 from train.loop import train
-from train.tp_validation import check_tp_validation
 from train.validate import Validator
 
 # The tiny target with its real tokenizer (validation decodes held-out ShareGPT text), untied:
@@ -63,19 +60,3 @@ def test_two_rank_training_validates_at_tp2_like_one_process(common, make_shards
         assert got["real_tau"] > 1.2 and got["real_num_errors"] == 0
         # Some drafts rejected too: the split head's drafts decide, not a saturated α = 1.
         assert any(0 < a < 1 for a in got["real_per_position_accept_rate"])
-
-
-def test_a_reduced_vocabulary_is_refused_at_start(common, shards, tmp_path):
-    """Real τ under tensor parallelism needs a full-vocabulary head (parallel/spec.py): one
-    error before the first step, naming the ways out; teacher-forced only passes."""
-    args = [*common, f"data.shards={shards}", f"output_dir={tmp_path / 'o'}",
-            "validation.enabled=true", "engine.tensor_parallel=2", "head.draft_vocab_size=64"]
-    with pytest.raises(ValueError, match=r"reduced vocabulary \(head.draft_vocab_size=64\).*"
-                                         r"validation.tau_prompts=0.*engine.tensor_parallel=1"):
-        train(compose("train", TrainConfig, args))
-    assert not (tmp_path / "o" / "metrics.jsonl").exists()  # no step ran
-    cfg = compose("train", TrainConfig, [*args, "validation.tau_prompts=0"])
-    check_tp_validation(cfg, SimpleNamespace(cfg=cfg.head, drafting="chain"))
-    block = compose("train", TrainConfig, [*common, "head=dflash", "engine.tensor_parallel=2"])
-    with pytest.raises(ValueError, match="'dflash' head drafting 'block'.*tau_prompts=0"):
-        check_tp_validation(block, SimpleNamespace(cfg=block.head, drafting="block"))

@@ -5,11 +5,12 @@ then `ShardedHead` keeps the rank's part, as tp.parallelize does for the target)
 
 | part | form | communication per head call |
 |---|---|---|
-| the head's decoder layer (MTP, EAGLE-1/3) | as the target's (tp.parallelize_layer): qkv, gate/up column-parallel, o, down row-parallel; its KV cache holds the rank's KV heads | two all-reduces |
+| the head's decoder layer (MTP, EAGLE-1/3, P-EAGLE) | as the target's (tp.parallelize_layer): qkv, gate/up column-parallel, o, down row-parallel; its KV cache holds the rank's KV heads | two all-reduces |
+| DFlash's N decoder layers | each as a target layer (a ShardPlan of the head's own arch, prefix layers.i.); its context K/V cache holds the rank's KV heads | two all-reduces per layer (block pass) |
 | its token embedding | the target's vocabulary-parallel embedding itself | one all-reduce |
-| its lm_head | the target's vocabulary-parallel lm_head itself | one gather to the leader |
-| MTP's eh_proj, EAGLE-1/3's fc, norms, P-EAGLE's mask_hidden, Medusa's blocks | replicated | none |
-| EAGLE-3's own lm_head rows (reduced vocabulary) | refused under TP (build_head initializes them from the full lm_head) | - |
+| its lm_head (full vocabulary) | the target's vocabulary-parallel lm_head itself | one gather to the leader |
+| a reduced vocabulary's V_draft rows (EAGLE-3's trained rows, the other heads' frozen rows of the target's lm_head) | replicated: every rank computes the draft logits from its complete hidden state | none |
+| MTP's eh_proj, EAGLE-1/3's fc, norms, P-EAGLE's mask_hidden, DFlash's fc + hidden_norm, Medusa's blocks | replicated | none |
 
 The head-only projections are replicated, not split: they are one 2H x H (or A*H x H)
 matrix, a few percent of one target layer, and splitting them would add an all-reduce to
@@ -19,8 +20,16 @@ on the leader after the layer's all-reduce, and the state of each draft step is 
 the leader makes (the carried rows, the tree's parents), so the leader sends the state with
 the call. A head call is then ONE broadcast (step_sync: HEAD, tokens, layout with tree masks,
 state bit-cast into the int64 buffer, logits rows, draft step k) plus the head's own
-collectives (1 + 2 + 1 gather for an MTP/EAGLE step; one gather for Medusa).
+collectives (1 + 2 + 1 gather for an MTP/EAGLE step, no gather with a reduced vocabulary;
+one gather for Medusa). A P-EAGLE round's mask pass is such a call with k = 2. DFlash has
+two calls: a block pass (tokens, the blocks' layout and masks, logits rows: 1 + 2N
+all-reduces and the gather) and a context write, whose state is the context
+c = hidden_norm(fc(aux)) [T, H] the leader made of the verified rows' aux states, written by
+every rank into its KV heads (the broadcast alone).
 
+A reduced vocabulary's build reads its rows of the whole lm_head (so may a foreign
+checkpoint's): build_tp_spec_engine gathers it once (full_lm_head, one all-reduce, V x H
+for the moment of the build) and ShardedHead drops it again.
 A draft LLM (LLMDrafter) and n-gram lookup run on the leader only: they never broadcast.
 """
 from __future__ import annotations
@@ -32,10 +41,13 @@ from torch import nn
 
 from inference_eval.engine.kv_cache import KVCache
 from inference_eval.engine.model.transformer import TransformerLM
+from inference_eval.engine.parallel import comm
 from inference_eval.engine.parallel.group import TPGroup
 from inference_eval.engine.parallel.shard import ShardPlan
 from inference_eval.engine.parallel.step_sync import HEAD, StepChannel, StepMessage
 from inference_eval.engine.parallel.tp import parallelize_layer
+from inference_eval.engine.speculative.block_drafters import (BlockContextDrafter,
+                                                              ParallelHeadDrafter)
 from inference_eval.engine.speculative.drafters import HeadDrafter, MedusaDrafter
 
 
@@ -45,38 +57,66 @@ class ShardedHead:
 
     def __init__(self, head: nn.Module, target: TransformerLM, plan: ShardPlan,
                  tp: TPGroup) -> None:
-        if getattr(head, "draft_to_target", lambda: None)() is not None:
-            raise ValueError("a head with a reduced vocabulary (head.draft_vocab_size) under "
-                             f"engine.tensor_parallel={tp.size} is not supported yet: use a "
-                             "full-vocabulary head or tensor_parallel=1")
-        if head.attends:
-            with torch.no_grad():
+        with torch.no_grad():
+            if head.drafting == "block":  # DFlash: N layers with the target's attention shape
+                own = ShardPlan(head.arch, tp.size, tp.rank)
+                specs = own.specs()
+                for i, layer in enumerate(head.layers):
+                    parallelize_layer(layer, own, specs, f"layers.{i}.", tp)
+                self.cache_arch = dataclasses.replace(own.local_arch(), n_routed_experts=0)
+            elif head.attends:
                 parallelize_layer(head.layer, plan, plan.specs(), "layers.0.", tp)
+                self.cache_arch = dataclasses.replace(plan.local_arch(), num_layers=1,
+                                                      n_routed_experts=0)
         emb, lm_head = target.embed_tokens, target.lm_head
         # The head's methods bound to the target's vocabulary-parallel modules, from outside:
         # the head's code stays single-device.
         object.__setattr__(head, "embed_tokens",
                            lambda tokens: emb(tokens).to(head.frozen.norm.weight.dtype))
-        object.__setattr__(head, "logits", lambda features, cpu_blas=False: lm_head(features))
+        if head.draft_to_target() is None:
+            object.__setattr__(head, "logits",
+                               lambda features, cpu_blas=False: lm_head(features))
+        # A reduced vocabulary keeps the head's own V_draft rows (replicated: every rank's
+        # hidden state is complete after the layer's all-reduces, so no collective); the
+        # target's full rows its build gathered (full_lm_head) are dropped here.
+        head.frozen.weight = target.lm_head_weight.detach()
         head.requires_grad_(False)
         self.head, self.tp = head, tp
-        self.cache_arch = dataclasses.replace(plan.local_arch(), num_layers=1,
-                                              n_routed_experts=0)
 
     def drafter(self, num_pages: int, page_size: int, device, dtype,
                 channel: StepChannel | None = None, sync_free: bool = False):
         """The head's drafter on this rank: on the leader (channel given) every run() first
         sends the call; on a follower (channel None) runner.follow calls run()."""
-        if not self.head.attends:
-            return TPMedusaDrafter(self.head, device, dtype, channel=channel)
-        return TPHeadDrafter(self.head, num_pages, page_size, device, dtype, sync_free=sync_free,
-                             cache_arch=self.cache_arch, channel=channel)
+        head = self.head
+        if not head.attends:
+            return TPMedusaDrafter(head, device, dtype, channel=channel)
+        if head.drafting == "block":
+            return TPBlockContextDrafter(head, num_pages, page_size, device, dtype,
+                                         cache_arch=self.cache_arch, channel=channel)
+        cls = TPParallelHeadDrafter if head.drafting == "parallel" else TPHeadDrafter
+        return cls(head, num_pages, page_size, device, dtype, sync_free=sync_free,
+                   cache_arch=self.cache_arch, channel=channel)
+
+
+def full_lm_head(target: TransformerLM, plan: ShardPlan, tp: TPGroup) -> torch.Tensor:
+    """The whole lm_head [V, H] on every rank, from the vocabulary-parallel rows (one
+    all-reduce): what a reduced-vocabulary head's build reads its V_draft rows from. Every
+    rank of the replica calls it; ShardedHead drops it again."""
+    local = target.lm_head_weight
+    rows = plan.vocab_per_rank
+    full = local.new_zeros(rows * tp.size, local.shape[1])
+    full[plan.vocab_start:plan.vocab_start + rows] = local
+    return comm.all_reduce(full, tp)[:plan.arch.vocab_size]
 
 
 class _SendsRuns:
     """run() of a drafter whose model is split: the leader broadcasts the call first."""
 
     channel: StepChannel | None = None
+
+    def __init__(self, *args, channel: StepChannel | None = None, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.channel = channel
 
     def run(self, tokens, state, plan, rows=None, k=1):
         if self.channel is not None:
@@ -88,17 +128,32 @@ class _SendsRuns:
 class TPHeadDrafter(_SendsRuns, HeadDrafter):
     """HeadDrafter over a ShardedHead's MTP/EAGLE head (its cache: the rank's KV heads)."""
 
-    def __init__(self, *args, channel: StepChannel | None = None, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.channel = channel
-
 
 class TPMedusaDrafter(_SendsRuns, MedusaDrafter):
     """MedusaDrafter over a ShardedHead's Medusa heads (replicated blocks, shared lm_head)."""
 
-    def __init__(self, *args, channel: StepChannel | None = None, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.channel = channel
+
+class TPParallelHeadDrafter(_SendsRuns, ParallelHeadDrafter):
+    """ParallelHeadDrafter over a ShardedHead's P-EAGLE head. Its mask pass is sent as a
+    run(k=2), which is the same pass on a follower: under TP nothing is compiled or
+    graphed (engine.compile and CUDA graphs are off), so run() is head.step(k=2)."""
+
+    def _mask_pass(self, tokens, hidden, plan):
+        return self.run(tokens, hidden, plan, k=2)[1]
+
+
+class TPBlockContextDrafter(_SendsRuns, BlockContextDrafter):
+    """BlockContextDrafter over a ShardedHead's DFlash head: its layers split, its context
+    cache the rank's KV heads. Two calls, each one broadcast: a block pass (run, as sent by
+    _SendsRuns) and a context write, whose state is the context c [T, H] the leader made of
+    the target's aux rows (fc and hidden_norm replicated: no collective); every rank then
+    writes its KV heads' keys and values of c."""
+
+    def _cache_context(self, c, layout):
+        if self.channel is not None:
+            self.channel.send(StepMessage(c.new_zeros(0, dtype=torch.long), layout, None, True,
+                                          (), model=HEAD, state=c))
+        super()._cache_context(c, layout)
 
 
 class LeaderKVCache(KVCache):

@@ -60,25 +60,32 @@ class ParallelHeadDrafter(_PrecomputedLaws, HeadDrafter):
         rows = sum(q)
         tokens = torch.zeros(rows, dtype=torch.long, device=self.device)  # the head reads its mask
         hidden = first.new_zeros(rows, self.head.arch.hidden_size).to(self.cache.k.dtype)
-        # Not through run(): its compiled steps and CUDA graphs are step 1's (k is not an input).
-        plan = self.backend.plan(layout)
-        ctx = StepContext(self.head.rope_cos[plan.positions], self.head.rope_sin[plan.positions],
-                          plan, self.cache)
-        logits = self._logits(self.head.step(tokens, hidden, ctx, k=2)[1])
+        logits = self._mask_pass(tokens, hidden, self.backend.plan(layout))
         start = 0
         for i, m in zip(deep, q):
             laws[i, :m] = logits[start:start + m]
             start += m
         return laws, first
 
+    def _mask_pass(self, tokens: torch.Tensor, hidden: torch.Tensor, plan) -> torch.Tensor:
+        """Steps 2..K: tokens [R], hidden [R, H] (read as the mask) -> logits [R, V]. Not
+        through run(): its compiled steps and CUDA graphs are step 1's (k is not an input)."""
+        ctx = StepContext(self.head.rope_cos[plan.positions], self.head.rope_sin[plan.positions],
+                          plan, self.cache)
+        return self._logits(self.head.step(tokens, hidden, ctx, k=2)[1])
+
 
 class BlockContextDrafter(_PrecomputedLaws, _HeadLogits, Drafter):
     """A DFlash head: context keys/values in its own paged cache, one block pass per round."""
 
-    def __init__(self, head, num_pages: int, page_size: int, device, dtype) -> None:
+    def __init__(self, head, num_pages: int, page_size: int, device, dtype,
+                 cache_arch=None) -> None:
+        """cache_arch: the arch of the context cache (default head.arch; under tensor
+        parallelism the rank's local KV heads)."""
         self._setup(head, device, dtype)
         self.page_size = page_size
-        self.cache = KVCache.for_arch(head.arch, num_pages, page_size, dtype, device)
+        a = head.arch if cache_arch is None else cache_arch
+        self.cache = KVCache.for_arch(a, num_pages, page_size, dtype, device)
         self.aux_layers = list(head.cfg.aux_layers)
         self.block = head.block_size
         self.max_steps = self.block - 1
@@ -93,8 +100,11 @@ class BlockContextDrafter(_PrecomputedLaws, _HeadLogits, Drafter):
     def _write_context(self, aux: torch.Tensor, layout: BatchLayout) -> None:
         """aux [T, A, H] of the layout's new tokens -> every draft layer's context keys and
         values at their cache indices (the head's layer_context_kv)."""
+        self._cache_context(self.head.context(aux.to(self.cache.k.dtype)), layout)
+
+    def _cache_context(self, c: torch.Tensor, layout: BatchLayout) -> None:
+        """Context states c [T, H] -> each layer's keys and values at the layout's slots."""
         head, dev = self.head, self.device
-        c = head.context(aux.to(self.cache.k.dtype))
         pos, slots = layout.position_tensor(dev), layout.slot_mapping(dev)
         for i in range(self.cache.k.shape[0]):
             k, v = head.layer_context_kv(i, c, pos)
@@ -119,13 +129,24 @@ class BlockContextDrafter(_PrecomputedLaws, _HeadLogits, Drafter):
         ones = torch.ones(b, b, dtype=torch.bool, device=self.device)
         layout = BatchLayout([b] * L, [m + b for m in n], [r.pages for r in reqs], self.page_size,
                              tree_masks=[ones] * L)
-        plan = self.backend.plan(layout)
+        rows = torch.arange(L * b, device=self.device).view(L, b)[:, 1:].reshape(-1)
+        _, logits = self.run(self.head.block_tokens(last), None, self.backend.plan(layout), rows)
+        laws = logits.view(L, b - 1, -1)
+        return laws[:, 1:], laws[:, 0]
+
+    def run(self, tokens, state, plan, rows=None, k=1):
+        """One block pass: tokens [J * B] (block_tokens) over a plan with the blocks' masks,
+        rows [R] the rows that get logits -> (None, logits [R, V] fp32). With a state
+        instead (a call under tensor parallelism, parallel/spec.py): context states c [T, H]
+        written at the plan's layout, tokens unused -> (None, None)."""
+        if state is not None:
+            self._cache_context(state, plan.layout)
+            return None, None
         head = self.head
         ctx = StepContext(head.rope_cos[plan.positions], head.rope_sin[plan.positions], plan,
                           self.cache)
-        feats = head.block_features(head.block_tokens(last), ctx).view(L, b, -1)[:, 1:]
-        laws = self._logits(feats.reshape(L * (b - 1), -1)).view(L, b - 1, -1)
-        return laws[:, 1:], laws[:, 0]
+        feats = head.block_features(tokens, ctx)
+        return None, self._logits(feats if rows is None else feats.index_select(0, rows))
 
     def drop(self, rid):
         pass
