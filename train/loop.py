@@ -25,6 +25,7 @@ from train.schedule import make_optimizer, make_scheduler
 from train.state import (RunShape, latest_checkpoint, load_training_state, save_final_head,
                          save_training_state)
 from train.online import check_warm_start_target, online_progress, online_source
+from train.online_tp import check_online_launch
 from train.recipe import init_from_target_layer, rollout_depth, steps_from_epochs, warm_start
 from train.selection import Selection
 from train.tp_validation import TPValidator
@@ -35,6 +36,7 @@ def prepare(cfg: TrainConfig, acc=None):
     """Everything checked before the first step: shards (or the online source), target match,
     head/shard fit. acc: the accelerator (device and ranks of the online target)."""
     if cfg.data.online:
+        check_online_launch(cfg)  # engine.tensor_parallel > 1: a launch that can split
         parts = load_frozen(cfg.target)
         if cfg.trainer.init_from is not None:  # before the target runs over the data
             check_warm_start_target(cfg.trainer.init_from, parts)

@@ -23,6 +23,10 @@ order the shards of the same data would hold them. docs/online.md has the design
   generating are kept in memory: those are the bits `precompute data.regenerate=true` writes.
   Under torchrun each rank answers its share and the records are gathered on every rank.
 
+With engine.tensor_parallel=T > 1 each group of T ranks shares one target split over them
+(train/online_tp.py, TPOnlineSource): its leader runs the forwards or the generation, and the
+group's ranks get their rows from it. The trainer stays data parallel over all ranks.
+
 Resume: the data position of the checkpoint is a count of micro-batches of that fixed plan;
 a resumed run rebuilds the plan (regeneration answers again: the same requests, the same
 bits) and continues at the position, so no record is repeated or skipped.
@@ -54,7 +58,12 @@ from train.data import plan_epoch
 
 
 class OnlineSource:
-    """Records of cfg.source, their states computed by the target on `device`."""
+    """Records of cfg.source, their states computed by the target on `device`.
+
+    Hooks a tensor-parallel source overrides (train/online_tp.py): _load (the target),
+    _answer_share (this rank's answers), _rows (a micro-batch's stored states)."""
+
+    leads = True  # runs the target's calls itself (a TP follower serves its leader's)
 
     def __init__(self, cfg: TrainConfig, device: torch.device, rank: int, world: int,
                  gather=None) -> None:
@@ -62,8 +71,10 @@ class OnlineSource:
         self.hidden_dtype, self.cache_tokens = d.hidden_dtype, d.cache_tokens
         self.store = capture_dtype(d.hidden_dtype)
         self.target_tokens, self.target_secs = 0, 0.0
-        loaded = load_target(cfg.target, device=device)
-        if loaded.tokenizer is None:
+        loaded = self._load(cfg, device)
+        # Every rank tokenizes the records itself; with regeneration a TP follower gets
+        # them from its leader's answers (the gather in _answer) and needs no tokenizer.
+        if loaded.tokenizer is None and (self.leads or not cfg.source.regenerate):
             raise ValueError(f"target {cfg.target.name!r} has no tokenizer; data.online=true "
                              "tokenizes source records with it (set target.tokenizer)")
         self.model, self.identity = loaded.model, loaded.identity
@@ -85,6 +96,9 @@ class OnlineSource:
                              f"record (rejected: {self.rejected}); check source.path/limit "
                              "and source.max_length")
 
+    def _load(self, cfg: TrainConfig, device: torch.device):
+        return load_target(cfg.target, device=device)
+
     # ---- records --------------------------------------------------------------------
     def _tokenize(self, cfg: TrainConfig, tok) -> None:
         result = load_conversations(cfg.source)
@@ -102,7 +116,7 @@ class OnlineSource:
         def count(prompts: int, tokens: int, secs: float) -> None:
             self.target_tokens += tokens
 
-        mine, rejects, _ = answer_in_memory(dcfg, loaded, rank, world, on_batch=count)
+        mine, rejects = self._answer_share(dcfg, loaded, rank, world, count)
         self.target_secs += time.perf_counter() - t0
         if world > 1:  # every rank trains on micro-batches drawn from all records
             parts = gather((mine, rejects))
@@ -115,6 +129,12 @@ class OnlineSource:
         for r in rejects:
             self.rejected[r["reason"]] = self.rejected.get(r["reason"], 0) + 1
         self.rejected = dict(sorted(self.rejected.items()))
+
+    def _answer_share(self, dcfg: DistillConfig, loaded, rank: int, world: int, count
+                      ) -> tuple[dict, list]:
+        """({first prompt of a batch: its records}, rejects) of data-parallel rank `rank`."""
+        mine, rejects, _ = answer_in_memory(dcfg, loaded, rank, world, on_batch=count)
+        return mine, rejects
 
     def _plan_forwards(self, shard_tokens: int, forward_tokens: int) -> None:
         """Record -> its forward batch of precompute's plan (plan_shards, plan_batches)."""
@@ -143,7 +163,7 @@ class OnlineSource:
 
     def collate(self, seq_ids: list[int], dtype: torch.dtype = torch.float32) -> PackedBatch:
         """The micro-batch `seq_ids` with its states, as ShardStore.collate returns it."""
-        rows = [self._states(i) for i in seq_ids]
+        rows = self._rows(seq_ids)
         recs = [self.records[i] for i in seq_ids]
         ids = torch.tensor([t for r in recs for t in r.input_ids], dtype=torch.long)
         mask = torch.tensor([m for r in recs for m in r.loss_mask], dtype=torch.bool)
@@ -152,6 +172,10 @@ class OnlineSource:
         return PackedBatch(ids, hidden, mask, [len(r.input_ids) for r in recs], aux)
 
     # ---- states ---------------------------------------------------------------------
+    def _rows(self, seq_ids: list[int]) -> list[tuple]:
+        """Stored (hidden, aux) per record of the micro-batch `seq_ids`."""
+        return [self._states(i) for i in seq_ids]
+
     def _states(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.captured is not None:
             c = self.captured[i]
@@ -221,14 +245,18 @@ def distill_config(cfg: TrainConfig) -> DistillConfig:
 
 
 def online_source(cfg: TrainConfig, acc) -> OnlineSource:
-    """The source on the trainer's device, every rank its own target (data parallel); prints
-    the records kept and rejected by reason, as precompute's summary does."""
+    """The source on the trainer's device: every rank its own target (data parallel), or at
+    engine.tensor_parallel=T > 1 its group's (train/online_tp.py); prints the records kept
+    and rejected by reason, as precompute's summary does."""
     from train.distributed import gather_objects
 
     device = acc.device if acc is not None else torch.device("cpu")
     rank, world = (acc.process_index, acc.num_processes) if acc is not None else (0, 1)
     t0 = time.perf_counter()
-    src = OnlineSource(cfg, device, rank, world, gather=gather_objects)
+    kind = OnlineSource
+    if cfg.engine.tensor_parallel > 1:
+        from train.online_tp import TPOnlineSource as kind  # (it imports this module)
+    src = kind(cfg, device, rank, world, gather=gather_objects)
     if rank == 0:
         how = "answered and captured" if cfg.source.regenerate else "tokenized"
         print(f"online data ({how}): kept {len(src.lengths)} records, rejected "
