@@ -99,7 +99,7 @@ def train(cfg: TrainConfig) -> dict:
     # engine.tensor_parallel > 1 on every rank, each with its shard (train/tp_validation.py).
     validator = None
     if cfg.validation.enabled and cfg.engine.tensor_parallel > 1:
-        validator = TPValidator(cfg, head, acc.device)
+        validator = TPValidator(cfg, head, acc.device, shared=getattr(store, "tp_shard", None))
     elif cfg.validation.enabled and acc.is_main_process:
         validator = Validator(cfg)
     # The scheduler stays unprepared: accelerate's wrapper steps it num_processes times per

@@ -35,6 +35,7 @@ from contextlib import suppress
 import torch
 import torch.distributed as dist
 
+from inference_eval.engine.model.linear import set_cpu_blas
 from inference_eval.engine.parallel.group import check_world, init_tensor_parallel
 from inference_eval.engine.parallel.runner import follow, load_tp_target, tp_engine_config
 from inference_eval.engine.parallel.step_sync import StepChannel
@@ -67,6 +68,13 @@ class TPOnlineSource(OnlineSource):
         engine = cfg.engine if cfg.source.regenerate else dump_engine(cfg.engine)
         self.follow_cfg = tp_engine_config(engine)
         super().__init__(cfg, device, rank, world, gather)
+        self.dump_blas = bool(getattr(self.model, "cpu_blas", False))
+
+    def _forward(self, k: int) -> None:
+        # A TP validator serves its engine from this same shard and switches the weights'
+        # block codes on; the dump's forwards run without them (precompute's bits).
+        set_cpu_blas(self.model, self.dump_blas, codes=False)
+        super()._forward(k)
 
     def _load(self, cfg: TrainConfig, device: torch.device):
         """This rank's shard; on the leader its model broadcasts every call to the group."""
@@ -74,6 +82,7 @@ class TPOnlineSource(OnlineSource):
             cfg.target, self.tp, with_tokenizer=self.leads or not cfg.source.regenerate,
             expert_parallel=cfg.engine.expert_parallel)
         self.shard, self.local_arch = loaded.model, plan.local_arch()
+        self.tp_shard = (self.tp, loaded, plan)  # the TP validator's too (train/loop.py)
         if not self.leads:
             return loaded
         return dataclasses.replace(

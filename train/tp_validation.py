@@ -32,8 +32,10 @@ import torch
 
 from heads.base import DraftHead
 from heads.checkpoint import save_head
-from inference_eval.engine.parallel.group import init_tensor_parallel
+from inference_eval.engine.parallel.group import TPGroup, init_tensor_parallel
 from inference_eval.engine.parallel.runner import load_tp_target, serve
+from inference_eval.engine.parallel.shard import ShardPlan
+from inference_eval.engine.target import LoadedTarget
 from inference_eval.evaluation.engines import build_tp_spec_engine
 from train.config import TrainConfig
 from train.distributed import broadcast_dir
@@ -44,14 +46,21 @@ class TPValidator:
     """The loop's validator on every rank when engine.tensor_parallel=T > 1 (who does what:
     the module's docstring). device: the trainer's (acc.device), on which the shards live."""
 
-    def __init__(self, cfg: TrainConfig, head: DraftHead, device: torch.device) -> None:
+    def __init__(self, cfg: TrainConfig, head: DraftHead, device: torch.device,
+                 shared: tuple[TPGroup, LoadedTarget, ShardPlan] | None = None) -> None:
+        """shared: the groups and this rank's shard already loaded (online training's
+        target, train/online_tp.py), so a rank holds one copy of its shard, not two."""
         self.engine_cfg, self.tau_k = cfg.engine, cfg.validation.tau_num_draft
         self.real_tau = cfg.validation.tau_prompts > 0
-        self.tp = init_tensor_parallel(cfg.engine.tensor_parallel, str(device),
-                                       cfg.engine.tp_timeout_s)
+        if shared is not None:
+            self.tp, self.loaded, self.plan = shared
+        else:
+            self.tp = init_tensor_parallel(cfg.engine.tensor_parallel, str(device),
+                                           cfg.engine.tp_timeout_s)
         lead = self.tp.is_leader and self.tp.replica == 0  # global rank 0
-        self.loaded, self.plan = load_tp_target(cfg.target, self.tp, with_tokenizer=lead,
-                                                expert_parallel=cfg.engine.expert_parallel)
+        if shared is None:
+            self.loaded, self.plan = load_tp_target(cfg.target, self.tp, with_tokenizer=lead,
+                                                    expert_parallel=cfg.engine.expert_parallel)
         self.validator = Validator(cfg, self.loaded) if lead else None
 
     def __call__(self, head: DraftHead, autocast=contextlib.nullcontext) -> dict | None:

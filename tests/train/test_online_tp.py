@@ -84,3 +84,19 @@ def test_a_world_tp_does_not_divide_stops_every_rank(chats, tmp_path):
     assert proc.stderr.count(line) == 2, proc.stderr[-3000:]  # one line per rank
     assert "online data" not in proc.stdout
     assert not (tmp_path / "o" / "checkpoints").exists()
+
+
+def test_validation_on_the_online_shard_leaves_the_head_unchanged(chats, tmp_path):
+    """Validation at T=2 beside online training at T=2 runs on the online source's groups and
+    shard (no second copy: train/loop.py hands it over) and measures real τ at each eval
+    step, and the head is the one trained without validation: serving the validator's engine
+    between micro-batches leaves the states the leader computes next untouched."""
+    val = ["validation.enabled=true", "validation.num_conversations=2", "validation.max_length=96",
+           "validation.tau_prompts=2", "validation.tau_max_new_tokens=8", "trainer.eval_every=3",
+           "engine.num_pages=64"]
+    args = [*TINY, *TRAIN, *PACK, *source(chats, "source.limit=6"), TP2]
+    ok(run("train", *args, f"output_dir={tmp_path / 'plain'}", nproc=2))
+    ok(run("train", *args, *val, f"output_dir={tmp_path / 'val'}", nproc=2))
+    same_head(tmp_path / "plain", tmp_path / "val")
+    lines = (tmp_path / "val" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"val/real_tau"' in line for line in lines) == 2  # steps 3 and 6
