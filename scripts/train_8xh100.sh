@@ -37,9 +37,8 @@
 # decoding with the head split like the target (its real τ and α_k, the eval CLI's at TP=8):
 # an estimated 20-40 s per validation (not measured yet). Memory per GPU during validation:
 # ~47 + 17.6 GB + the 2 GB KV cache + the head's ~4 GB fp32 copy while it is split, ~71 of
-# 80 GB; training's activations are freed by then. A head over a DeepSeek target is not split
-# under TP yet: use VAL_TP=1 there (the whole V2-Lite target, 31 GB, on rank 0 beside its
-# ~6 GB head).
+# 80 GB; training's activations are freed by then. DeepSeek-V2-Lite (31 GB) fits one GPU:
+# VAL_TP=1 validates on rank 0 with the whole target, VAL_TP=2..8 splits it (and its head).
 # validation.enabled=false as an extra override turns it off.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -309,3 +309,55 @@ def block_heads_worker(hf_dir: str, cases: dict, prompts: list[list[int]], max_n
                     got["calls"]["finite"] = int(torch.isfinite(logits).sum())
             out[name] = got
     return out
+
+
+def deepseek_heads_worker(cases: dict, prompts: list[list[int]], max_new: list[int],
+                          engine_kw: dict) -> dict:
+    """Per draft case (name -> (DeepSeek hf_dir, draft config, expert_parallel)) over the
+    target split with its routed experts TP-MoE or EP: greedy speculative generation at the
+    world's size (tokens, accepted and proposed per round, rounds, the collectives of one
+    draft step; leader only) and the split of the head's layer and cache on this rank."""
+    from inference_eval.engine.attention import BatchLayout
+    from inference_eval.engine.config import EngineConfig
+    from inference_eval.engine.parallel import comm
+    from inference_eval.engine.parallel.group import init_tensor_parallel
+    from inference_eval.engine.parallel.runner import load_tp_target, serve
+    from inference_eval.engine.sampling import SamplingParams
+    from inference_eval.engine.target import TargetConfig
+    from inference_eval.evaluation.engines import build_tp_spec_engine
+
+    tp = init_tensor_parallel(int(os.environ["WORLD_SIZE"]), "cpu", timeout_s=60)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in max_new]
+    targets, out = {}, {}
+    for name, (hf_dir, draft, expert_parallel) in cases.items():
+        if (hf_dir, expert_parallel) not in targets:
+            targets[hf_dir, expert_parallel] = load_tp_target(
+                TargetConfig(name="deepseek", source="hf", path=hf_dir), tp,
+                expert_parallel=expert_parallel, with_tokenizer=False)
+        loaded, plan = targets[hf_dir, expert_parallel]
+        build, make = build_tp_spec_engine(loaded, plan, tp, draft)
+        probe = make(1, 4, "cpu", torch.float32)  # this rank's drafter: no collective
+        layer, cache = probe.head.layer, probe.cache
+        experts = getattr(layer.mlp, "experts", None)
+        out[name] = {"split": {"mlp": type(layer.mlp).__name__,
+                               "query_heads": layer.self_attn.heads,
+                               "experts": None if experts is None
+                               else tuple(experts.gate_up_proj.shape),
+                               "cache_row": tuple(cache.k.shape[-2:]),
+                               "cache_latent": cache.is_latent}}
+        with serve(loaded, plan, EngineConfig(**engine_kw), tp, build, make) as engine:
+            if engine is None:
+                continue
+            res = engine.generate(prompts, params, progress=False)
+            out[name].update(tokens=[r.token_ids for r in res],
+                             accepted=[list(r.meta["accepted"]) for r in res],
+                             proposed=[list(r.meta["proposed"]) for r in res],
+                             rounds=engine.counters["rounds"])
+            layout = BatchLayout(q_lens=[1], kv_lens=[1], block_tables=[[0]], page_size=4)
+            h = loaded.model.arch.hidden_size
+            comm.reset()  # one draft step
+            with torch.inference_mode():
+                engine.drafter.run(torch.tensor([5]), torch.zeros(1, h),
+                                   engine.backend.plan(layout), torch.tensor([0]))
+            out[name]["step_calls"] = dict(comm.COUNTS)
+    return out
