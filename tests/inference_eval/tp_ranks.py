@@ -92,6 +92,25 @@ def parity_inputs() -> tuple[list[list[int]], list[list[int]]]:
     return seqs, prompts
 
 
+def spec_summary(results, engine) -> dict:
+    """What a speculative run is compared by: tokens, accepted/proposed per step, rounds."""
+    return {"tokens": [r.token_ids for r in results],
+            "accepted": [list(r.meta["accepted"]) for r in results],
+            "proposed": [list(r.meta["proposed"]) for r in results],
+            "rounds": engine.counters["rounds"]}
+
+
+def assert_lossless_as_tp1(got: dict, ref: dict, ar: list, name) -> None:
+    """got (at T > 1) equals autoregressive output, accepts over 15% of its drafts, and
+    accepts per step and rounds exactly what ref (the same drafter at T=1) does."""
+    assert got["tokens"] == ar, name
+    proposed = sum(map(sum, got["proposed"]))
+    accepted = sum(map(sum, got["accepted"]))
+    assert accepted > 0.15 * proposed > 0, (name, accepted, proposed)
+    assert (got["accepted"], got["proposed"]) == (ref["accepted"], ref["proposed"]), name
+    assert got["rounds"] == ref["rounds"], name
+
+
 def packed_logits(model, seqs: list[list[int]]) -> torch.Tensor:
     """Every row's logits [T, V] of whole sequences in one cacheless step (all ranks call it)."""
     from inference_eval.engine.attention import BatchLayout
@@ -284,10 +303,7 @@ def block_heads_worker(hf_dir: str, cases: dict, prompts: list[list[int]], max_n
             if engine is None:
                 continue
             res = engine.generate(prompts, params, progress=False)
-            got = {"tokens": [r.token_ids for r in res],
-                   "accepted": [list(r.meta["accepted"]) for r in res],
-                   "proposed": [list(r.meta["proposed"]) for r in res],
-                   "rounds": engine.counters["rounds"], "calls": {}}
+            got = {**spec_summary(res, engine), "calls": {}}
             d = engine.drafter
             with torch.inference_mode():
                 if name == "dflash":  # one block of B = 4 rows, then a context write of 2
@@ -349,10 +365,7 @@ def deepseek_heads_worker(cases: dict, prompts: list[list[int]], max_new: list[i
             if engine is None:
                 continue
             res = engine.generate(prompts, params, progress=False)
-            out[name].update(tokens=[r.token_ids for r in res],
-                             accepted=[list(r.meta["accepted"]) for r in res],
-                             proposed=[list(r.meta["proposed"]) for r in res],
-                             rounds=engine.counters["rounds"])
+            out[name].update(spec_summary(res, engine))
             layout = BatchLayout(q_lens=[1], kv_lens=[1], block_tables=[[0]], page_size=4)
             h = loaded.model.arch.hidden_size
             comm.reset()  # one draft step
