@@ -207,14 +207,16 @@ class LLMEngine:
         while self.scheduler.has_work:
             for req in self.step():
                 i, _ = live[req.id]
-                results[i] = self._result(i, req)
+                results[i] = self.result(req, i)
                 ntok += len(req.output_ids)
                 bar.update(1)
                 bar.set_postfix(tok_s=f"{ntok / max(time.perf_counter() - t0, 1e-9):.1f}")
         bar.close()
         return [results[i] for i in range(len(prompts))]
 
-    def _result(self, i: int, req: Request) -> GenerationResult:
+    def result(self, req: Request, i: int = 0) -> GenerationResult:
+        """A finished request (one step() returned) as the result of prompt i; its captured
+        states, if any, go with it."""
         text = None
         if self.tokenizer is not None and req.output_ids:
             text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)

@@ -15,7 +15,7 @@ from inference_eval.engine.target import LoadedTarget
 from precompute.capture import CapturedRecord, capture_dtype
 from precompute.config import aux_layer_ids
 from precompute.data import LoadReport, load_prompts
-from precompute.distill.answer import answer_batch
+from precompute.distill.answer import answer_batches
 from precompute.distill.config import DistillConfig
 from precompute.distill.ledger import DistillLedger
 from precompute.distill.run import _batch_seed, _with_system, records_of
@@ -40,16 +40,19 @@ def answer_in_memory(cfg: DistillConfig, loaded: LoadedTarget, rank: int, world:
     ledger = DistillLedger(Path(), "", prompts, rank, world)  # only its batch plan is used
     rejects = [{"id": r.id, "reason": r.reason, "detail": r.detail} for r in result.rejected]
     out: dict[int, list[CapturedRecord]] = {}
-    for first, batch in ledger.fixed_batches(cfg.engine.max_batch_size):
-        t0 = time.perf_counter()
-        engine.generator.manual_seed(_batch_seed(cfg.engine.seed, first))
-        last: dict = {}
-        kept, dropped = answer_batch(engine, [prompts[i] for i in batch], cfg.sampling,
-                                     cfg.turns, result.report.source, last=last)
+    batches = ledger.fixed_batches(cfg.engine.max_batch_size)
+    sizes = {first: len(batch) for first, batch in batches}
+    t0 = time.perf_counter()
+    for first, kept, dropped, last in answer_batches(
+            engine, [(first, [prompts[i] for i in batch]) for first, batch in batches],
+            cfg.sampling, cfg.turns, result.report.source, keep_last=True,
+            reseed=lambda first: engine.generator.manual_seed(
+                _batch_seed(cfg.engine.seed, first))):
         out[first], bad = records_of(tok, kept, last, cfg.data.max_length)
         rejects += [{k: r[k] for k in ("id", "reason", "detail")} for r in dropped] + bad
         if on_batch is not None:
-            on_batch(len(batch), sum(r["generated_tokens"] for r in kept + dropped),
-                     time.perf_counter() - t0)
+            now = time.perf_counter()
+            on_batch(sizes[first], sum(r["generated_tokens"] for r in kept + dropped), now - t0)
+            t0 = now
     return out, rejects, result.report
 

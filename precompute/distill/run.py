@@ -20,7 +20,7 @@ from inference_eval.engine.capture import CaptureSpec
 from inference_eval.engine.llm_engine import LLMEngine
 from inference_eval.engine.target import LoadedTarget, load_target
 from precompute.data import Conversation, Turn, load_prompts
-from precompute.distill.answer import answer_batch
+from precompute.distill.answer import answer_batches
 from precompute.distill.config import DistillConfig
 from precompute.distill.ledger import DistillLedger
 from precompute.capture import CapturedRecord, capture_dtype, captured_record
@@ -91,20 +91,20 @@ def run_distill(cfg: DistillConfig, rank: int = 0, world: int = 1,
     with nullcontext(loaded) if replica is None else replica.serve(loaded) as running:
         engine = LLMEngine(running.model, tok, cfg.engine if replica is None else replica.engine,
                            capture=capture)
-        for first, batch in batches:
-            # Sampled runs reseed per batch, so a resumed run draws what an uninterrupted one
-            # does.
-            engine.generator.manual_seed(_batch_seed(cfg.engine.seed, first))
-            last = {} if shards is not None else None
-            kept, rejected = answer_batch(engine, [prompts[i] for i in batch], cfg.sampling,
-                                          cfg.turns, result.report.source, last=last)
+        # Sampled runs reseed per batch, so a resumed run draws what an uninterrupted one does.
+        sizes = {first: len(batch) for first, batch in batches}
+        for first, kept, rejected, last in answer_batches(
+                engine, [(first, [prompts[i] for i in batch]) for first, batch in batches],
+                cfg.sampling, cfg.turns, result.report.source, keep_last=shards is not None,
+                reseed=lambda first: engine.generator.manual_seed(
+                    _batch_seed(cfg.engine.seed, first))):
             if finished is None:  # answers already logged are not logged twice
                 ledger.record([r for r in kept if r["id"] not in ledger.done],
                               [r for r in rejected if r["id"] not in ledger.done])
             if shards is not None:
                 shards.write(first, *records_of(tok, kept, last, cfg.data.max_length))
             ntok += sum(r["generated_tokens"] for r in kept + rejected)
-            bar.update(len(batch))
+            bar.update(sizes[first])
             bar.set_postfix(tok_s=f"{ntok / max(time.perf_counter() - t0, 1e-9):.1f}")
     bar.close()
     ledger.wait_for_all()

@@ -90,3 +90,47 @@ def test_consecutive_pages_read_as_one_slice_equal_the_gather(q_len):
         assert (plan.kv_span is not None) == (table == [2, 3, 4, 5])
         outs.append(plan.attend(0, q, k_all[kv - q_len:], v_all[kv - q_len:], cache))
     torch.testing.assert_close(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("q_lens", [[40, 1, 1, 3, 1, 25], [1, 1, 64, 1, 1, 1]])
+def test_mixed_step_splits_into_prompts_and_decodes(q_lens):
+    """Fresh prompts (q_len == kv_len, longer than cpu_paged.SMALL_Q) admitted beside decode
+    rows: the prompts attend on the causal path, the rest in cpu_paged's kernel; outputs and
+    the cache equal the single padded batch's."""
+    from inference_eval.engine.attention import cpu_causal, cpu_paged
+    if cpu_paged.kernel() is None:
+        pytest.skip("cpu_paged's kernel cannot be built here")
+    g = torch.Generator().manual_seed(0)
+    kv_lens = [q if q > cpu_paged.SMALL_Q else kv for q, kv in zip(q_lens, [9, 300, 70, 12, 5, 6])]
+    page, kvh, heads, d = 8, 2, 4, 16
+    tables, nxt = [], 0
+    for kv in kv_lens:
+        n = -(-kv // page)
+        tables.append(list(range(nxt, nxt + n))[::-1])
+        nxt += n
+    layout = BatchLayout(q_lens, kv_lens, tables, page)
+    split = TorchAttentionPlan(layout, torch.device("cpu"), threads=2, paged_kernel=True,
+                               causal_kernel=cpu_causal.kernel() is not None)
+    plain = TorchAttentionPlan(layout, torch.device("cpu"), grouped=False)
+    assert split.split is not None and plain.split is None and plain.gathered
+    (big_rows, big), (small_rows, small) = split.split
+    assert big.causal_spans is not None and small.paged is not None
+    assert sorted(big_rows.tolist() + small_rows.tolist()) == list(range(sum(q_lens)))
+    t = sum(q_lens)
+    q, k, v = (torch.randn(t, n, d, generator=g) for n in (heads, kvh, kvh))
+    caches = []
+    for _ in range(2):
+        c = KVCache(1, nxt, page, kvh, d, torch.float32, "cpu")
+        kc, vc = c.layer(0)
+        torch.manual_seed(1)
+        kc.copy_(torch.randn(kc.shape))
+        vc.copy_(torch.randn(vc.shape))
+        caches.append(c)
+    a = split.attend(0, q, k, v, caches[0])
+    b = plain.attend(0, q, k, v, caches[1])
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for x, y in zip(caches[0].layer(0), caches[1].layer(0)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    # A chunk of a prompt (q_len < kv_len past SMALL_Q) is not split: the gathered path.
+    chunked = BatchLayout([20, 1], [60, 9], [list(range(8)), [8, 9]], page)
+    assert TorchAttentionPlan(chunked, torch.device("cpu"), paged_kernel=True).split is None

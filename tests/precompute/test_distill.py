@@ -119,7 +119,7 @@ def test_rerun_after_completion_generates_nothing(chats, reference, tmp_path, mo
     for p in reference.iterdir():
         (out / p.name).write_bytes(p.read_bytes())
     before = snapshot(out)
-    monkeypatch.setattr(LLMEngine, "generate", no_generation)
+    monkeypatch.setattr(LLMEngine, "add_request", no_generation)
     m = distill_run.main(distill_cfg(chats, out, "turns=all"))
     assert m.complete and snapshot(out) == before
     assert "nothing to do" in capsys.readouterr().out
@@ -170,7 +170,7 @@ def test_data_regenerate_runs_the_stage_once_then_reuses_it(chats, tmp_path, mon
     assert len(manifest.shards) > 1
     shard0 = (out / manifest.shards[0].file).read_bytes()
 
-    monkeypatch.setattr(LLMEngine, "generate", no_generation)
+    monkeypatch.setattr(LLMEngine, "add_request", no_generation)
     before = snapshot(out)
     assert precompute_run.main(cfg).shards == manifest.shards  # a rerun
     assert snapshot(out) == before

@@ -57,13 +57,13 @@ def test_prompt_only_inputs_are_answered(form, tmp_path, monkeypatch):
         {rid: WANT_TURNS[rid] for rid in (r["id"] for r in PROMPT_FORMS[form])}
 
     asked = []
-    generate = LLMEngine.generate
+    add_request = LLMEngine.add_request
 
-    def spy(self, prompts, *a, **k):
-        asked.extend(prompts)
-        return generate(self, prompts, *a, **k)
+    def spy(self, prompt_ids, *a, **k):
+        asked.append(list(prompt_ids))
+        return add_request(self, prompt_ids, *a, **k)
 
-    monkeypatch.setattr(LLMEngine, "generate", spy)
+    monkeypatch.setattr(LLMEngine, "add_request", spy)
     out = tmp_path / "out"
     m = distill_run.main(distill_cfg(data, out, "turns=all", "sampling.max_new_tokens=4",
                                      f"target.arch.eos_token_ids=[{IM_END}]"))
@@ -83,13 +83,13 @@ def test_prompt_only_inputs_are_answered(form, tmp_path, monkeypatch):
 def test_turn_two_sees_the_targets_own_first_answer(tmp_path, monkeypatch):
     data = write_jsonl(tmp_path / "two.jsonl", PROMPT_FORMS["sharegpt"])
     asked = []
-    generate = LLMEngine.generate
+    add_request = LLMEngine.add_request
 
-    def spy(self, prompts, *a, **k):
-        asked.append(list(prompts))
-        return generate(self, prompts, *a, **k)
+    def spy(self, prompt_ids, *a, **k):
+        asked.append(list(prompt_ids))
+        return add_request(self, prompt_ids, *a, **k)
 
-    monkeypatch.setattr(LLMEngine, "generate", spy)
+    monkeypatch.setattr(LLMEngine, "add_request", spy)
     out = tmp_path / "out"
     # Every 11th token ends an answer: in 64 tokens turn 1 ends by itself.
     distill_run.main(distill_cfg(data, out, "turns=all", "sampling.max_new_tokens=64"))
@@ -98,7 +98,7 @@ def test_turn_two_sees_the_targets_own_first_answer(tmp_path, monkeypatch):
     assert (u1["content"], u2["content"]) == ("Why is the sky blue?", "And sunsets?")
     assert a1["content"] != "Rayleigh scattering." and not conv["truncated"]
     tok = load_tokenizer(distill_cfg(data, out).target)
-    assert asked[1] == [encode_prompt(tok, [u1, a1, u2], chat=True)]
+    assert asked[1] == encode_prompt(tok, [u1, a1, u2], chat=True)
 
     first_only = tmp_path / "first"
     # turns=first, the default
