@@ -16,6 +16,9 @@ import precompute.distill.run as distill_run
 import precompute.run as precompute_run
 from inference_eval.hydra_app import compose
 from inference_eval.engine.llm_engine import LLMEngine
+from inference_eval.engine.prompt_encoding import encode_prompt
+from precompute.data import load_prompts
+from precompute.distill.answer import CUT, _start
 from precompute.config import PrecomputeConfig
 from precompute.shard_io import read_shard
 from distill_helpers import (IM_END, JOB_ENV, TINY, _run, chat_target, distill_argv,  # noqa: F401
@@ -180,3 +183,60 @@ def test_data_regenerate_runs_the_stage_once_then_reuses_it(chats, tmp_path, mon
     (out / manifest.shards[0].file).unlink()
     assert precompute_run.main(cfg).shards == manifest.shards
     assert (out / manifest.shards[0].file).read_bytes() == shard0
+
+
+def test_overlapping_batches_answer_as_a_plain_turn_loop(chats, tmp_path, monkeypatch):
+    """Next turns queued as answers end and the next batch started while a batch finishes
+    (answer.py) give, conversation for conversation, what one prompt at a time answered turn
+    by turn through `generate` gives; and the batches did overlap."""
+    added, ended, steps = [], [], [0]  # (step, prompt ids) of each request added / ended
+    add_request, step = LLMEngine.add_request, LLMEngine.step
+
+    def spy_add(self, prompt_ids, *a, **k):
+        added.append((steps[0], list(prompt_ids)))
+        return add_request(self, prompt_ids, *a, **k)
+
+    def spy_step(self):
+        steps[0] += 1
+        done = step(self)
+        ended.extend((steps[0], list(r.prompt_ids)) for r in done)
+        return done
+
+    monkeypatch.setattr(LLMEngine, "add_request", spy_add)
+    monkeypatch.setattr(LLMEngine, "step", spy_step)
+    out = tmp_path / "out"
+    cfg = distill_cfg(chats, out, "turns=all", "data.limit=8", "engine.max_batch_size=3")
+    distill_run.main(cfg)
+    monkeypatch.undo()
+    convs = rows(out / "conversations.jsonl")
+    assert len(convs) >= 6 and any(len(c["messages"]) > 2 for c in convs)
+
+    loaded = distill_run.load_target(cfg.target)
+    engine = LLMEngine(loaded.model, loaded.tokenizer, cfg.engine)
+    for c in convs:
+        messages = []
+        for i in range(0, len(c["messages"]), 2):
+            asked = messages + [c["messages"][i]]
+            res = engine.generate([asked], cfg.sampling, chat=True, progress=False)[0]
+            messages = asked + [{"role": "assistant", "content": res.text}]
+        assert messages == c["messages"], c["id"]
+        assert c["truncated"] == (res.finish_reason in CUT), c["id"]
+    # Which batch of 3 prompts each request served (a later turn's prompt extends its first
+    # turn's): a batch's first request was added before the previous batch's last one ended.
+    prompts = load_prompts(cfg.data).conversations
+    firsts = []
+    for p in prompts:
+        d = _start(p, "all")
+        firsts.append(encode_prompt(loaded.tokenizer, d.messages + [
+            {"role": "user", "content": d.users[0]}], chat=True))
+
+    def by_batch(events):
+        out: dict[int, list[int]] = {}
+        for s, ids in events:
+            (k,) = [k for k, f in enumerate(firsts) if ids[:len(f)] == f]
+            out.setdefault(k // 3, []).append(s)
+        return out
+
+    starts, ends = by_batch(added), by_batch(ended)
+    assert len(starts) == 3 and len(added) == len(ended) > len(prompts)
+    assert any(min(starts[b + 1]) < max(ends[b]) for b in (0, 1)), (starts, ends)
