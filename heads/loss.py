@@ -19,11 +19,25 @@ import numpy as np
 import torch
 
 
+# From this many elements of the vocabulary-sized operand (SmolLM2's lm_head: 28.3M; a
+# reduced 8192-token vocabulary: 4.7M) the products go to OpenBLAS, which was measured on the
+# full lm_head only; smaller ones (reduced vocabularies, the tests' tiny targets) stay on
+# torch's path, whose sums they were checked with.
+OPENBLAS_MIN_ELEMENTS = 1 << 24
+
+
+def openblas_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a @ b runs on OpenBLAS: CPU fp32 outside autocast (which would have torch
+    multiply in bf16), b of at least OPENBLAS_MIN_ELEMENTS."""
+    return (a.device.type == "cpu" and a.dtype == b.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu") and b.numel() >= OPENBLAS_MIN_ELEMENTS)
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [n, k] @ b [k, m] (any strides: transposed views are read in place) -> [n, m];
-    CPU fp32 on OpenBLAS (module docstring), else torch. Called without autograd
+    """a [n, k] @ b [k, m] (any strides: transposed views are read in place) -> [n, m], on
+    OpenBLAS where openblas_applies (module docstring), else torch. Called without autograd
     (ChunkedSoftCE forms its own gradient), so inputs that require grad are read detached."""
-    if a.device.type == "cpu" and a.dtype == b.dtype == torch.float32:
+    if openblas_applies(a, b):
         return torch.from_numpy(np.matmul(a.detach().numpy(), b.detach().numpy()))
     return a @ b
 

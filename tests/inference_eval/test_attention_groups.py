@@ -31,6 +31,32 @@ def brute_force_groups(lens, cost):
     return best[0]
 
 
+def paged_layout(q_lens, kv_lens, page):
+    """The step's layout on interleaved pages, as an allocator hands them out; its page count."""
+    tables, nxt = [], 0
+    for kv in kv_lens:
+        n = -(-kv // page)
+        tables.append(list(range(nxt, nxt + n))[::-1])
+        nxt += n
+    return BatchLayout(q_lens, kv_lens, tables, page), nxt
+
+
+def attend_both(plans, pages, page, heads, kvh, d, g):
+    """Both plans attend the same random q, k, v rows, each over its own one-layer cache of
+    the same random keys and values: ([out a, out b], [cache a, cache b])."""
+    t = plans[0].num_tokens
+    q, k, v = (torch.randn(t, n, d, generator=g) for n in (heads, kvh, kvh))
+    caches = []
+    for _ in range(2):
+        c = KVCache(1, pages, page, kvh, d, torch.float32, "cpu")
+        kc, vc = c.layer(0)
+        torch.manual_seed(1)
+        kc.copy_(torch.randn(kc.shape))
+        vc.copy_(torch.randn(vc.shape))
+        caches.append(c)
+    return [p.attend(0, q, k, v, c) for p, c in zip(plans, caches)], caches
+
+
 @pytest.mark.parametrize("lens", [[5, 900, 880, 7, 30, 31, 400], [10, 10, 10], [3000, 2]])
 def test_groups_are_the_cheapest_partition(lens):
     groups = kv_groups(lens, 256)
@@ -47,27 +73,11 @@ def test_grouped_attention_equals_one_padded_batch(q_lens):
     g = torch.Generator().manual_seed(0)
     kv_lens = [9, 700, 650, 12, 300, 5]
     page, kvh, heads, d = 8, 2, 4, 16
-    tables, nxt = [], 0
-    for kv in kv_lens:  # interleaved pages, as an allocator hands them out
-        n = -(-kv // page)
-        tables.append(list(range(nxt, nxt + n))[::-1])
-        nxt += n
-    layout = BatchLayout(q_lens, kv_lens, tables, page)
+    layout, nxt = paged_layout(q_lens, kv_lens, page)
     grouped = TorchAttentionPlan(layout, torch.device("cpu"))
     plain = TorchAttentionPlan(layout, torch.device("cpu"), grouped=False)
     assert grouped.groups is not None and len(grouped.groups) > 1 and plain.groups is None
-    t = sum(q_lens)
-    q, k, v = (torch.randn(t, n, d, generator=g) for n in (heads, kvh, kvh))
-    caches = []
-    for _ in range(2):
-        c = KVCache(1, nxt, page, kvh, d, torch.float32, "cpu")
-        kc, vc = c.layer(0)
-        torch.manual_seed(1)
-        kc.copy_(torch.randn(kc.shape))
-        vc.copy_(torch.randn(vc.shape))
-        caches.append(c)
-    a = grouped.attend(0, q, k, v, caches[0])
-    b = plain.attend(0, q, k, v, caches[1])
+    (a, b), caches = attend_both((grouped, plain), nxt, page, heads, kvh, d, g)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(caches[0].layer(0)[0], caches[1].layer(0)[0], rtol=0, atol=0)
 
@@ -103,12 +113,7 @@ def test_mixed_step_splits_into_prompts_and_decodes(q_lens):
     g = torch.Generator().manual_seed(0)
     kv_lens = [q if q > cpu_paged.SMALL_Q else kv for q, kv in zip(q_lens, [9, 300, 70, 12, 5, 6])]
     page, kvh, heads, d = 8, 2, 4, 16
-    tables, nxt = [], 0
-    for kv in kv_lens:
-        n = -(-kv // page)
-        tables.append(list(range(nxt, nxt + n))[::-1])
-        nxt += n
-    layout = BatchLayout(q_lens, kv_lens, tables, page)
+    layout, nxt = paged_layout(q_lens, kv_lens, page)
     split = TorchAttentionPlan(layout, torch.device("cpu"), threads=2, paged_kernel=True,
                                causal_kernel=cpu_causal.kernel() is not None)
     plain = TorchAttentionPlan(layout, torch.device("cpu"), grouped=False)
@@ -116,18 +121,7 @@ def test_mixed_step_splits_into_prompts_and_decodes(q_lens):
     (big_rows, big), (small_rows, small) = split.split
     assert big.causal_spans is not None and small.paged is not None
     assert sorted(big_rows.tolist() + small_rows.tolist()) == list(range(sum(q_lens)))
-    t = sum(q_lens)
-    q, k, v = (torch.randn(t, n, d, generator=g) for n in (heads, kvh, kvh))
-    caches = []
-    for _ in range(2):
-        c = KVCache(1, nxt, page, kvh, d, torch.float32, "cpu")
-        kc, vc = c.layer(0)
-        torch.manual_seed(1)
-        kc.copy_(torch.randn(kc.shape))
-        vc.copy_(torch.randn(vc.shape))
-        caches.append(c)
-    a = split.attend(0, q, k, v, caches[0])
-    b = plain.attend(0, q, k, v, caches[1])
+    (a, b), caches = attend_both((split, plain), nxt, page, heads, kvh, d, g)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for x, y in zip(caches[0].layer(0), caches[1].layer(0)):
         torch.testing.assert_close(x, y, rtol=0, atol=0)

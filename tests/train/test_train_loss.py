@@ -43,3 +43,32 @@ def test_all_rows_dead_gives_zero_loss_and_gradient():
     loss.backward()
     assert loss.item() == 0 and metrics.tolist() == [0, 0, 0]
     assert x.grad.abs().max() == 0
+
+
+def test_vocabulary_products_on_openblas_match_the_reference(monkeypatch):
+    """At a vocabulary past heads.loss.OPENBLAS_MIN_ELEMENTS the chunk products run on
+    OpenBLAS (numpy): loss and gradient still equal the full-logits reference; under CPU
+    autocast they stay on torch's (bf16) path."""
+    import numpy as np
+
+    from heads import loss as loss_mod
+    calls = []
+    matmul = np.matmul
+    monkeypatch.setattr(loss_mod.np, "matmul", lambda a, b: calls.append(b.shape) or matmul(a, b))
+    g = torch.Generator().manual_seed(3)
+    vocab, hidden = (1 << 24) // 256, 256
+    x = torch.randn(40, hidden, generator=g, requires_grad=True)
+    w = torch.randn(vocab, hidden, generator=g) * 0.05
+    y, wt = torch.randn(40, hidden, generator=g), torch.randn(vocab, hidden, generator=g) * 0.05
+    rw = (torch.rand(40, generator=g) > 0.3).float()
+    got, _ = soft_ce(x, w, y, wt, rw, chunk=16)
+    (gx,) = torch.autograd.grad(got, [x])
+    assert len(calls) == 3 * 2 and all(vocab in shape for shape in calls)  # 2 live chunks
+    ref = soft_ce_reference(x, w, y, wt, rw)
+    (gx_ref,) = torch.autograd.grad(ref, [x])
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-6)
+    calls.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        soft_ce(x, w, y, wt, rw, chunk=16)
+    assert calls == []
