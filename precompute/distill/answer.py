@@ -15,9 +15,10 @@ When that happens at the first turn there is nothing to learn, and the prompt is
 """
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from inference_eval.engine.llm_engine import LLMEngine
 from inference_eval.engine.prompt_encoding import encode_prompt
@@ -83,23 +84,30 @@ class _Batch:
         return self.first, kept, rejected, last
 
 
-def answer_batches(engine: LLMEngine, batches: Sequence[tuple[int, Sequence[Conversation]]],
-                   params: SamplingParams, turns: str, source: str, keep_last: bool = False,
-                   reseed: Callable[[int], None] | None = None
+def batch_seed(seed: int, first: int) -> int:
+    """The generator seed of the batch starting at prompt `first`."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{first}".encode()).digest()[:8], "little")
+
+
+def answer_batches(engine: LLMEngine, prompts: Sequence[Conversation],
+                   batches: Sequence[tuple[int, Sequence[int]]], params: SamplingParams,
+                   turns: str, source: str, seed: int, keep_last: bool = False
                    ) -> Iterator[tuple[int, list[dict], list[dict], dict]]:
-    """Answer each batch (first prompt index, Conversations of user turns, see
-    data.load_prompts); yields (first, conversation rows {"id", "messages", "truncated",
-    "source", "generated_tokens"}, reject rows {"id", "reason", "detail",
-    "generated_tokens"}, last) per batch, in batch order, rows in prompt order.
+    """Answer each batch (its first prompt index, the indices into `prompts`, Conversations
+    of user turns, see data.load_prompts); yields (first, conversation rows {"id",
+    "messages", "truncated", "source", "generated_tokens"}, reject rows {"id", "reason",
+    "detail", "generated_tokens"}, last) per batch, in batch order, rows in prompt order;
+    together the rows cover every prompt of the batch.
 
     turns: "first" or "all". source: the data source written into every conversation row.
     keep_last: fill `last` with id -> (prompt messages, GenerationResult) of each kept
     conversation's last answered turn (whose request holds the whole chat; with an engine
     that captures, its hidden states: precompute/capture.py); else it stays empty.
-    reseed(first): called as batch `first` starts. Greedy batches overlap (the next starts
-    while the last answers of this one run: greedy answers do not depend on what shares a
-    step); sampled ones run one at a time, so that a batch draws from its own reseeded
-    generator whatever ran before it, and a resumed run draws what an uninterrupted one did.
+    seed: as a batch starts, the engine's generator is reseeded with batch_seed(seed, first).
+    Greedy batches overlap (the next starts while the last answers of this one run: greedy
+    answers do not depend on what shares a step); sampled ones run one at a time, so that a
+    batch draws from its own seed whatever ran before it, and a resumed run draws what an
+    uninterrupted one did.
     """
     if engine.cfg.compile and not engine.warmed:
         engine.warm(engine.cfg.max_batch_size)
@@ -130,10 +138,9 @@ def answer_batches(engine: LLMEngine, batches: Sequence[tuple[int, Sequence[Conv
     def admit() -> None:
         """Start batches up to the window, then their dialogues while the engine has room."""
         while todo and len(running) < window and all(not b.waiting for b in running):
-            first, prompts = todo.popleft()
-            if reseed is not None:
-                reseed(first)
-            running.append(_Batch(first, [_start(p, turns) for p in prompts]))
+            first, batch = todo.popleft()
+            engine.generator.manual_seed(batch_seed(seed, first))
+            running.append(_Batch(first, [_start(prompts[i], turns) for i in batch]))
         sched = engine.scheduler
         for b in running:
             while b.waiting and len(sched.running) + len(sched.waiting) < engine.cfg.max_batch_size:

@@ -18,7 +18,7 @@ from precompute.data import LoadReport, load_prompts
 from precompute.distill.answer import answer_batches
 from precompute.distill.config import DistillConfig
 from precompute.distill.ledger import DistillLedger
-from precompute.distill.run import _batch_seed, _with_system, records_of
+from precompute.distill.run import _with_system, records_of
 
 
 def answer_in_memory(cfg: DistillConfig, loaded: LoadedTarget, rank: int, world: int,
@@ -40,19 +40,16 @@ def answer_in_memory(cfg: DistillConfig, loaded: LoadedTarget, rank: int, world:
     ledger = DistillLedger(Path(), "", prompts, rank, world)  # only its batch plan is used
     rejects = [{"id": r.id, "reason": r.reason, "detail": r.detail} for r in result.rejected]
     out: dict[int, list[CapturedRecord]] = {}
-    batches = ledger.fixed_batches(cfg.engine.max_batch_size)
-    sizes = {first: len(batch) for first, batch in batches}
     t0 = time.perf_counter()
     for first, kept, dropped, last in answer_batches(
-            engine, [(first, [prompts[i] for i in batch]) for first, batch in batches],
-            cfg.sampling, cfg.turns, result.report.source, keep_last=True,
-            reseed=lambda first: engine.generator.manual_seed(
-                _batch_seed(cfg.engine.seed, first))):
+            engine, prompts, ledger.fixed_batches(cfg.engine.max_batch_size), cfg.sampling,
+            cfg.turns, result.report.source, cfg.engine.seed, keep_last=True):
         out[first], bad = records_of(tok, kept, last, cfg.data.max_length)
         rejects += [{k: r[k] for k in ("id", "reason", "detail")} for r in dropped] + bad
         if on_batch is not None:
             now = time.perf_counter()
-            on_batch(sizes[first], sum(r["generated_tokens"] for r in kept + dropped), now - t0)
+            on_batch(len(kept) + len(dropped),
+                     sum(r["generated_tokens"] for r in kept + dropped), now - t0)
             t0 = now
     return out, rejects, result.report
 

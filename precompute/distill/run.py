@@ -8,7 +8,6 @@ the ranks, the leader's engine over the replica's shards) from precompute/tensor
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -91,20 +90,16 @@ def run_distill(cfg: DistillConfig, rank: int = 0, world: int = 1,
     with nullcontext(loaded) if replica is None else replica.serve(loaded) as running:
         engine = LLMEngine(running.model, tok, cfg.engine if replica is None else replica.engine,
                            capture=capture)
-        # Sampled runs reseed per batch, so a resumed run draws what an uninterrupted one does.
-        sizes = {first: len(batch) for first, batch in batches}
         for first, kept, rejected, last in answer_batches(
-                engine, [(first, [prompts[i] for i in batch]) for first, batch in batches],
-                cfg.sampling, cfg.turns, result.report.source, keep_last=shards is not None,
-                reseed=lambda first: engine.generator.manual_seed(
-                    _batch_seed(cfg.engine.seed, first))):
+                engine, prompts, batches, cfg.sampling, cfg.turns, result.report.source,
+                cfg.engine.seed, keep_last=shards is not None):
             if finished is None:  # answers already logged are not logged twice
                 ledger.record([r for r in kept if r["id"] not in ledger.done],
                               [r for r in rejected if r["id"] not in ledger.done])
             if shards is not None:
                 shards.write(first, *records_of(tok, kept, last, cfg.data.max_length))
             ntok += sum(r["generated_tokens"] for r in kept + rejected)
-            bar.update(sizes[first])
+            bar.update(len(kept) + len(rejected))
             bar.set_postfix(tok_s=f"{ntok / max(time.perf_counter() - t0, 1e-9):.1f}")
     bar.close()
     ledger.wait_for_all()
@@ -183,10 +178,6 @@ def _with_system(prompt: Conversation, system_prompt: str | None) -> Conversatio
     if system_prompt is None or (prompt.turns and prompt.turns[0].role == "system"):
         return prompt
     return Conversation(prompt.id, [Turn("system", system_prompt)] + prompt.turns)
-
-
-def _batch_seed(seed: int, first: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{first}".encode()).digest()[:8], "little")
 
 
 def _print_summary(out: Path, m: DistillManifest, secs: float) -> None:

@@ -108,8 +108,7 @@ def test_mixed_step_splits_into_prompts_and_decodes(q_lens):
     rows: the prompts attend on the causal path, the rest in cpu_paged's kernel; outputs and
     the cache equal the single padded batch's."""
     from inference_eval.engine.attention import cpu_causal, cpu_paged
-    if cpu_paged.kernel() is None:
-        pytest.skip("cpu_paged's kernel cannot be built here")
+    assert cpu_paged.kernel() is not None  # built by scripts/setup_env.sh, as the paged tests need
     g = torch.Generator().manual_seed(0)
     kv_lens = [q if q > cpu_paged.SMALL_Q else kv for q, kv in zip(q_lens, [9, 300, 70, 12, 5, 6])]
     page, kvh, heads, d = 8, 2, 4, 16
