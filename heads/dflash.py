@@ -102,13 +102,16 @@ class DFlashHead(DraftHead):
         out[:, 0] = last
         return out.view(-1)
 
-    def block_features(self, tokens: torch.Tensor, ctx) -> torch.Tensor:
-        """tokens [J * B] (block_tokens) -> features [J * B, H] for the lm_head. ctx: the
-        block rows' attention (BlockContext in training, a paged StepContext in the engine,
-        whose cache already holds the context keys)."""
+    def block_features(self, tokens: torch.Tensor, ctx,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [J * B] (block_tokens) -> features [J * B, H] for the lm_head, or [R, H]
+        of rows [R] only (the engine's mask rows: the last layer then runs its o_proj and
+        MLP on those rows alone). ctx: the block rows' attention (BlockContext in training,
+        a paged StepContext in the engine, whose cache already holds the context keys)."""
         x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x = layer(x, ctx)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, rows=rows if i == last else None)
         return self.final_norm(x)
 
     def train_blocks(self, hidden_aux: torch.Tensor, seq_lens: list[int], input_ids: torch.Tensor,

@@ -68,6 +68,30 @@ def test_rope_split_matches_apply_rope(rows):
     assert torch.equal(v, wv.reshape(rows, kvh, d))
 
 
+@pytest.mark.parametrize("rows", [1, 4, 200])
+def test_rope_split_with_qk_norms_matches_the_layer_ops(rows):
+    """A q/k-normed layer (Qwen3, DFlash): each head's row RMS-normed with its weight, then
+    rotated, as RMSNorm + apply_rope do; the norm changes the result, so it is applied."""
+    heads, kvh, d, eps = 9, 3, 64, 1e-6
+    qkv = randn(rows, (heads + 2 * kvh) * d + 8)[:, 8:] * 3
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat([torch.outer(torch.arange(rows).float() * 5, inv)] * 2, dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    qn, kn = RMSNorm(d, eps), RMSNorm(d, eps)
+    with torch.no_grad():
+        qn.weight.copy_(randn(d)), kn.weight.copy_(randn(d))
+    q, k, v = cpu_fused.rope_split(qkv, cos, sin, heads, kvh, d, qn.weight.detach(),
+                                   kn.weight.detach(), eps)
+    wq, wk, wv = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
+    with torch.no_grad():
+        want_q = apply_rope(qn(wq.reshape(rows, heads, d)), cos, sin)
+        want_k = apply_rope(kn(wk.reshape(rows, kvh, d)), cos, sin)
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(q, apply_rope(wq.reshape(rows, heads, d), cos, sin), atol=1e-3)
+    assert torch.equal(v, wv.reshape(rows, kvh, d))
+
+
 def test_autograd_keeps_torch_ops():
     norm = RMSNorm(64, 1e-6)
     norm.cpu_blas = True

@@ -94,10 +94,13 @@ at::Tensor silu_mul(at::Tensor gate_up, int64_t threads) {
 
 // qkv [T, (heads + 2 kv_heads) d] (rows may be strided), cos / sin [T, d] in the
 // rotate-half layout -> q [T, heads, d], k [T, kv_heads, d] rotated, v [T, kv_heads, d],
-// each contiguous: x' = x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1].
+// each contiguous: x' = x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1]. With
+// q_w / k_w [d] (a q/k-normed layer: Qwen3, DFlash), each head's q or k row is first
+// RMS-normalized over d and scaled by its weight, as the layer's q_norm / k_norm do.
 std::vector<at::Tensor> rope_split(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
                                       int64_t heads, int64_t kv_heads, int64_t d,
-                                      int64_t threads) {
+                                      int64_t threads, c10::optional<at::Tensor> q_w,
+                                      c10::optional<at::Tensor> k_w, double eps) {
   check_rows(qkv, "rope_split");
   const int64_t t = qkv.size(0), half = d / 2;
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * d && d % 2 == 0,
@@ -106,6 +109,15 @@ std::vector<at::Tensor> rope_split(at::Tensor qkv, at::Tensor cos, at::Tensor si
     TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.dim() == 2 &&
                     c.size(0) == t && c.size(1) == d,
                 "rope_split: cos / sin [T, head_dim] fp32, contiguous");
+  TORCH_CHECK(q_w.has_value() == k_w.has_value(), "rope_split: q and k norm weights together");
+  const bool normed = q_w.has_value();
+  if (normed)
+    for (const auto& w : {*q_w, *k_w})
+      TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == d,
+                  "rope_split: q / k norm weights [head_dim] fp32, contiguous");
+  const float* qwp = normed ? q_w->data_ptr<float>() : nullptr;
+  const float* kwp = normed ? k_w->data_ptr<float>() : nullptr;
+  const float e = static_cast<float>(eps);
   auto q = at::empty({t, heads, d}, qkv.options());
   auto k = at::empty({t, kv_heads, d}, qkv.options());
   auto v = at::empty({t, kv_heads, d}, qkv.options());
@@ -122,15 +134,23 @@ std::vector<at::Tensor> rope_split(at::Tensor qkv, at::Tensor cos, at::Tensor si
     const float* row = src + i * rs;
     const float* c = cp + i * d;
     const float* s = sp + i * d;
-    auto rotate = [&](const float* x, float* y) {
+    std::vector<float> scratch(normed ? d : 0);
+    auto rotate = [&](const float* x, float* y, const float* w) {
+      if (w != nullptr) {  // RMSNorm of the head's row first, into scratch
+        float ss = 0.f;
+        for (int64_t j = 0; j < d; ++j) ss += x[j] * x[j];
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + e);
+        for (int64_t j = 0; j < d; ++j) scratch[j] = x[j] * inv * w[j];
+        x = scratch.data();
+      }
       for (int64_t j = 0; j < half; ++j) {
         y[j] = x[j] * c[j] - x[j + half] * s[j];
         y[j + half] = x[j + half] * c[j + half] + x[j] * s[j + half];
       }
     };
-    for (int64_t hd = 0; hd < heads; ++hd) rotate(row + hd * d, qp + (i * heads + hd) * d);
+    for (int64_t hd = 0; hd < heads; ++hd) rotate(row + hd * d, qp + (i * heads + hd) * d, qwp);
     for (int64_t hd = 0; hd < kv_heads; ++hd)
-      rotate(row + (heads + hd) * d, kp + (i * kv_heads + hd) * d);
+      rotate(row + (heads + hd) * d, kp + (i * kv_heads + hd) * d, kwp);
     std::copy_n(row + (heads + kv_heads) * d, kv_heads * d, vp + i * kv_heads * d);
   }
   return {q, k, v};
@@ -139,6 +159,10 @@ std::vector<at::Tensor> rope_split(at::Tensor qkv, at::Tensor cos, at::Tensor si
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows, optionally after a residual add (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of fused gate/up rows (CPU)");
-  m.def("rope_split", &rope_split, "q, k rotated and v split out of fused qkv rows (CPU)");
+  m.def("rope_split", &rope_split, "q, k (normed) rotated and v split out of fused qkv rows (CPU)",
+        pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("heads"),
+        pybind11::arg("kv_heads"), pybind11::arg("d"), pybind11::arg("threads"),
+        pybind11::arg("q_w") = pybind11::none(), pybind11::arg("k_w") = pybind11::none(),
+        pybind11::arg("eps") = 1e-6);
   m.attr("vector_width") = VW;
 }

@@ -69,8 +69,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-               kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               kv_heads: int, head_dim: int, q_norm: torch.Tensor | None = None,
+               k_norm: torch.Tensor | None = None, eps: float = 1e-6
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [T, (heads + 2 kv_heads) d], cos / sin [T, d] (rotate-half layout) -> q [T, heads,
-    d] and k [T, kv_heads, d] rotated, v [T, kv_heads, d]; all three contiguous."""
+    d] and k [T, kv_heads, d] rotated, v [T, kv_heads, d]; all three contiguous. q_norm /
+    k_norm [d]: a q/k-normed layer's RMSNorm weights, applied per head before the rotation."""
     return tuple(kernel().rope_split(qkv, cos.contiguous(), sin.contiguous(), heads, kv_heads,
-                                     head_dim, _state["threads"]))
+                                     head_dim, _state["threads"], q_norm, k_norm, eps))

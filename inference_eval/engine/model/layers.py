@@ -63,13 +63,19 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """x [T, in_features] -> [T, H]."""
+    def forward(self, x: torch.Tensor, ctx: AttentionContext,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in_features] -> [T, H], or [R, H] for rows [R] only (every row's keys and
+        values still reach the cache and the attention)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.cpu_blas and self.q_norm is None and cpu_fused.applies(qkv, ctx.cos):
+        qn, kn = self.q_norm, self.k_norm
+        norms = () if qn is None else (qn.weight, kn.weight)
+        if self.cpu_blas and cpu_fused.applies(qkv, ctx.cos, *norms):
+            # q/k-normed layers (Qwen3, DFlash) norm each head's row inside the same pass.
             q, k, v = cpu_fused.rope_split(qkv, ctx.cos, ctx.sin, self.heads, self.kv_heads,
-                                           self.head_dim)
+                                           self.head_dim, *norms,
+                                           *(() if qn is None else (qn.eps,)))
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(t, self.heads, self.head_dim)
@@ -78,8 +84,8 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-        out = ctx.attend(self.layer, q, k, v)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = ctx.attend(self.layer, q, k, v).reshape(t, self.q_size)
+        return self.o_proj(out if rows is None else out.index_select(0, rows))
 
 
 class DecoderLayer(nn.Module):
@@ -100,11 +106,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(arch) if arch.is_moe_layer(layer) else MLP(arch)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, width] -> [T, H]. `residual` [T, H] defaults to x (differs only when widened)."""
+                residual: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, width] -> [T, H]. `residual` [T, H] defaults to x (differs only when widened).
+        rows [R]: only these rows' outputs are wanted -> [R, H]; every row still writes its
+        keys and values, and the rest of the layer (o_proj, MLP) runs on the R rows only (a
+        block drafter's last layer, whose anchor row feeds no logits)."""
         residual = x if residual is None else residual
         h = self.input_layernorm(x) if self.input_layernorm is not None else x
-        a = self.self_attn(h, ctx)
+        if rows is None:
+            a = self.self_attn(h, ctx)
+        else:
+            a, residual = self.self_attn(h, ctx, rows), residual.index_select(0, rows)
         norm = self.post_attention_layernorm
         if norm.cpu_blas and cpu_fused.applies(a, residual, norm.weight):
             h, normed = cpu_fused.rms_norm(a, norm.weight, norm.eps, residual)  # one pass

@@ -69,8 +69,9 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(arch.num_heads * self.v, arch.hidden_size, bias=bias)
         self.scale = mla_softmax_scale(arch)
 
-    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        """x [T, in_features] -> [T, H]; appends [c_kv ; k_pe] [T, 1, r + p] to the cache."""
+    def forward(self, x: torch.Tensor, ctx, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in_features] -> [T, H] ([R, H] for rows [R] only); appends [c_kv ; k_pe]
+        [T, 1, r + p] to the cache."""
         t = x.shape[0]
         q, c, k_pe = self.qkv_a_proj(x).split([self.q_a, self.r, self.p], dim=-1)
         if self.q_b_proj is not None:
@@ -86,6 +87,8 @@ class MLAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c).view(t, 1, self.r), k_pe], dim=-1)
         o_lat = ctx.attend_latent(self.layer, torch.cat([q_lat, q_pe], dim=-1), latent,
                                   self.r, self.scale)
+        if rows is not None:
+            o_lat, t = o_lat.index_select(0, rows), rows.shape[0]
         out = torch.einsum("thr,hvr->thv", o_lat, w_uv)
         return self.o_proj(out.reshape(t, self.heads * self.v))
 

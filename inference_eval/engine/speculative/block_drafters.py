@@ -89,6 +89,7 @@ class BlockContextDrafter(_PrecomputedLaws, _HeadLogits, Drafter):
         self.aux_layers = list(head.cfg.aux_layers)
         self.block = head.block_size
         self.max_steps = self.block - 1
+        self._consts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def draft_lengths(self, reqs, n, ks):
         """A block needs cache indices n..n+B-1 inside the request's pages and the rotary
@@ -126,13 +127,23 @@ class BlockContextDrafter(_PrecomputedLaws, _HeadLogits, Drafter):
     def begin_round(self, reqs, n):
         b, L = self.block, len(reqs)
         last = torch.tensor([r.token_ids[-1] for r in reqs], device=self.device)
-        ones = torch.ones(b, b, dtype=torch.bool, device=self.device)
+        ones, rows = self._block_consts(L)
         layout = BatchLayout([b] * L, [m + b for m in n], [r.pages for r in reqs], self.page_size,
                              tree_masks=[ones] * L)
-        rows = torch.arange(L * b, device=self.device).view(L, b)[:, 1:].reshape(-1)
         _, logits = self.run(self.head.block_tokens(last), None, self.backend.plan(layout), rows)
         laws = logits.view(L, b - 1, -1)
         return laws[:, 1:], laws[:, 0]
+
+    def _block_consts(self, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's mask (ones [B, B]: bidirectional inside) and the mask rows [L * (B-1)]
+        of L blocks, built once per batch size: a round's pass is a few hundred µs on a CPU."""
+        got = self._consts.get(L)
+        if got is None:
+            b = self.block
+            ones = torch.ones(b, b, dtype=torch.bool, device=self.device)
+            rows = torch.arange(L * b, device=self.device).view(L, b)[:, 1:].reshape(-1)
+            got = self._consts[L] = (ones, rows)
+        return got
 
     def run(self, tokens, state, plan, rows=None, k=1):
         """One block pass: tokens [J * B] (block_tokens) over a plan with the blocks' masks,
@@ -145,8 +156,7 @@ class BlockContextDrafter(_PrecomputedLaws, _HeadLogits, Drafter):
         head = self.head
         ctx = StepContext(head.rope_cos[plan.positions], head.rope_sin[plan.positions], plan,
                           self.cache)
-        feats = head.block_features(tokens, ctx)
-        return None, self._logits(feats if rows is None else feats.index_select(0, rows))
+        return None, self._logits(head.block_features(tokens, ctx, rows))
 
     def drop(self, rid):
         pass

@@ -1,0 +1,131 @@
+"""What a block drafter's one pass costs against a chain head's draft step, on the engine.
+
+The chain head drafts K tokens with K sequential steps (the first comes out of the refill
+after verification, the other K - 1 are `step` calls); a block drafter drafts them all in
+the one pass its `begin_round` runs (DFlash: the block of B = K + 1 rows; P-EAGLE: the K - 1
+mask rows, d_1 still coming from its refill). This times, at batch 1 after --context cached
+tokens, the drafters' own verbs as the chain engine calls them:
+
+- `chain_step`:   a chain head's `step` (one draft: 1 row through the head, its lm_head);
+- `chain_refill`: its refill after verification with --accepted drafts taken (a + 1 rows);
+- `dflash_pass`:  a DFlash head's `begin_round` (the whole block, laws of d_1..d_K);
+- `dflash_context`: its context write after verification (a + 1 rows of aux states);
+- `peagle_pass`:  a P-EAGLE head's `begin_round` (d_2..d_K in one pass);
+- `peagle_refill`: its refill (as chain_refill; gives d_1).
+
+Ops run round-robin --reps times under the engine's thread setting, so drift hits them
+alike; medians are reported with their ratio to `chain_step` (the issue's goal: one block
+pass <= 1.5x one chain draft step), and the draft work of a whole round,
+refill + (K - 1) steps for the chain, context + pass for DFlash, refill + pass for P-EAGLE.
+
+    .venv/bin/python scripts/bench_block_pass.py [--chain runs/block_study/eagle3/checkpoints/best]
+        [--dflash .../dflash4/...] [--peagle .../peagle/...] [--context 256] [--reps 60]
+        [--accepted 1] [--engine KEY=VALUE ...]
+
+Prints a table, then one JSON line {"bench": "block_pass", ...}.
+"""
+from __future__ import annotations
+
+import inference_eval  # noqa: F401  (first: its OpenBLAS setting must precede torch/numpy)
+
+import argparse
+import json
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+from inference_eval.engine.attention import BatchLayout
+from inference_eval.engine.target import load_target
+from inference_eval.evaluation.config import EvalConfig
+from inference_eval.evaluation.engines import build_engine
+from inference_eval.hydra_app import compose
+
+STUDY = "runs/block_study"
+
+
+def _ops(name: str, eng, ctx: int, accepted: int, k: int) -> dict:
+    """The timed callables of one drafter, its caches filled with `ctx` positions."""
+    model, dr, ps = eng.model, eng.drafter, eng.cfg.page_size
+    span = ctx + 2 * (k + 2)
+    pages = list(range(span // ps + 1))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.arch.vocab_size, (span,), generator=gen)
+    req = SimpleNamespace(id=0, pages=pages, token_ids=ids[:ctx + 1].tolist())
+
+    def layout(q: int, kv: int) -> BatchLayout:
+        return BatchLayout([q], [kv], [pages], ps)
+
+    out = model(ids[:ctx], eng.backend.plan(layout(ctx, ctx)), eng.cache,
+                compute_logits=False, aux_layers=dr.aux_layers)
+    prefill = layout(ctx, ctx)
+    dr.prefill([req], prefill, eng.backend.plan(prefill), [ids[:ctx].tolist()],
+               [int(ids[ctx])], out)
+    rows = [list(range(ctx - accepted - 1, ctx))]  # the verified rows a round's refill reads
+    emitted = [ids[ctx - accepted:ctx + 1].tolist()]
+    n = [ctx - accepted - 1]  # n + a + 1 = ctx: the refill rewrites the last a + 1 positions
+
+    def accept():
+        dr.accept([req], n, [accepted], emitted, out, rows)
+
+    if name == "chain":
+        state = dr.begin_round([req], [ctx])[0]
+        tok = ids[ctx:ctx + 1]
+        return {"chain_step": lambda: dr.step([req], [ctx], 1, tok, state),
+                "chain_refill": accept}
+    if name == "peagle":
+        dr.draft_lengths([req], [ctx], [k])
+        return {"peagle_pass": lambda: dr.begin_round([req], [ctx]), "peagle_refill": accept}
+    return {"dflash_pass": lambda: dr.begin_round([req], [ctx]), "dflash_context": accept}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--chain", default=f"{STUDY}/eagle3/checkpoints/best")
+    ap.add_argument("--dflash", default=f"{STUDY}/dflash4/checkpoints/best")
+    ap.add_argument("--peagle", default=f"{STUDY}/peagle/checkpoints/best")
+    ap.add_argument("--k", type=int, default=3, help="drafts per round (DFlash: B - 1)")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--accepted", type=int, default=1, help="drafts taken in the refilled round")
+    ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="engine overrides, e.g. engine.head_code=none")
+    args = ap.parse_args()
+    cfg = compose("eval", EvalConfig, [f"target={args.target}", *args.engine])
+    loaded = load_target(cfg.target, device=cfg.engine.resolve_device())
+    ops, engines = {}, []
+    for name, ck in (("chain", args.chain), ("dflash", args.dflash), ("peagle", args.peagle)):
+        draft = SimpleNamespace(kind="head", checkpoint=ck, scheme="chain", num_draft=args.k)
+        eng = build_engine(loaded, cfg.engine, draft)
+        engines.append(eng)
+        with torch.inference_mode(), eng.step_threads():
+            ops.update(_ops(name, eng, args.context, args.accepted, args.k))
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    with torch.inference_mode(), engines[0].step_threads():
+        for rep in range(args.reps + 3):
+            for name, fn in ops.items():
+                t = time.perf_counter()
+                fn()
+                if rep >= 3:  # warm-up rounds
+                    times[name].append(time.perf_counter() - t)
+    med = {n: statistics.median(v) * 1e3 for n, v in times.items()}
+    step, k = med["chain_step"], args.k
+    rounds = {"chain": med["chain_refill"] + (k - 1) * step,
+              "dflash": med["dflash_context"] + med["dflash_pass"],
+              "peagle": med["peagle_refill"] + med["peagle_pass"]}
+    print(f"block pass vs chain step: context {args.context}, K={k}, {args.accepted} accepted, "
+          f"{torch.get_num_threads()} threads, median of {args.reps}")
+    for n, v in med.items():
+        print(f"  {n:<15} {v:7.3f} ms  {v / step:5.2f}x chain_step  (min {min(times[n]) * 1e3:.3f})")
+    for n, v in rounds.items():
+        print(f"  round draft work, {n:<7} {v:7.3f} ms  {v / rounds['chain']:5.2f}x the chain's")
+    print(json.dumps({"bench": "block_pass", "context": args.context, "k": k,
+                      "accepted": args.accepted, "median_ms": {n: round(v, 3) for n, v in med.items()},
+                      "ratio_to_chain_step": {n: round(v / step, 3) for n, v in med.items()},
+                      "round_ms": {n: round(v, 3) for n, v in rounds.items()}}))
+
+
+if __name__ == "__main__":
+    main()
