@@ -8,18 +8,20 @@ tokens, the drafters' own verbs as the chain engine calls them:
 
 - `chain_step`:   a chain head's `step` (one draft: 1 row through the head, its lm_head);
 - `chain_refill`: its refill after verification with --accepted drafts taken (a + 1 rows);
-- `dflash_pass`:  a DFlash head's `begin_round` (the whole block, laws of d_1..d_K);
-- `dflash_context`: its context write after verification (a + 1 rows of aux states);
+- `dflash{B}_pass`:  a DFlash head's `begin_round` (the whole block of B rows, laws of
+  d_1..d_{B-1}), for each --dflash head;
+- `dflash{B}_context`: its context write after verification (a + 1 rows of aux states);
 - `peagle_pass`:  a P-EAGLE head's `begin_round` (d_2..d_K in one pass);
 - `peagle_refill`: its refill (as chain_refill; gives d_1).
 
 Ops run round-robin --reps times under the engine's thread setting, so drift hits them
 alike; medians are reported with their ratio to `chain_step` (the issue's goal: one block
 pass <= 1.5x one chain draft step), and the draft work of a whole round,
-refill + (K - 1) steps for the chain, context + pass for DFlash, refill + pass for P-EAGLE.
+refill + (K - 1) steps for the chain, context + pass for DFlash, refill + pass for P-EAGLE
+(a DFlash head of another block size than K + 1 drafts B - 1 tokens a round instead).
 
     .venv/bin/python scripts/bench_block_pass.py [--chain runs/block_study/eagle3/checkpoints/best]
-        [--dflash .../dflash4/...] [--peagle .../peagle/...] [--context 256] [--reps 60]
+        [--dflash .../dflash4/... [.../dflash8/...]] [--peagle .../peagle/...] [--context 256] [--reps 60]
         [--accepted 1] [--engine KEY=VALUE ...]
 
 Prints a table, then one JSON line {"bench": "block_pass", ...}.
@@ -46,6 +48,7 @@ STUDY = "runs/block_study"
 
 
 def _ops(name: str, eng, ctx: int, accepted: int, k: int) -> dict:
+    """name: chain, peagle or dflash{B}."""
     """The timed callables of one drafter, its caches filled with `ctx` positions."""
     model, dr, ps = eng.model, eng.drafter, eng.cfg.page_size
     span = ctx + 2 * (k + 2)
@@ -77,29 +80,21 @@ def _ops(name: str, eng, ctx: int, accepted: int, k: int) -> dict:
     if name == "peagle":
         dr.draft_lengths([req], [ctx], [k])
         return {"peagle_pass": lambda: dr.begin_round([req], [ctx]), "peagle_refill": accept}
-    return {"dflash_pass": lambda: dr.begin_round([req], [ctx]), "dflash_context": accept}
+    return {f"{name}_pass": lambda: dr.begin_round([req], [ctx]), f"{name}_context": accept}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target", default="smollm2")
-    ap.add_argument("--chain", default=f"{STUDY}/eagle3/checkpoints/best")
-    ap.add_argument("--dflash", default=f"{STUDY}/dflash4/checkpoints/best")
-    ap.add_argument("--peagle", default=f"{STUDY}/peagle/checkpoints/best")
-    ap.add_argument("--k", type=int, default=3, help="drafts per round (DFlash: B - 1)")
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--accepted", type=int, default=1, help="drafts taken in the refilled round")
-    ap.add_argument("--reps", type=int, default=60)
-    ap.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="engine overrides, e.g. engine.head_code=none")
-    args = ap.parse_args()
+def measure(args: argparse.Namespace) -> dict:
+    """Median ms of every op (module docstring) and their ratios to a chain step."""
     cfg = compose("eval", EvalConfig, [f"target={args.target}", *args.engine])
-    loaded = load_target(cfg.target, device=cfg.engine.resolve_device())
+    loaded = load_target(cfg.target, device=cfg.engine.resolve_device(), with_tokenizer=False)
     ops, engines = {}, []
-    for name, ck in (("chain", args.chain), ("dflash", args.dflash), ("peagle", args.peagle)):
+    heads = [("chain", args.chain), ("peagle", args.peagle)] + [("dflash", d) for d in args.dflash]
+    for name, ck in heads:
         draft = SimpleNamespace(kind="head", checkpoint=ck, scheme="chain", num_draft=args.k)
         eng = build_engine(loaded, cfg.engine, draft)
         engines.append(eng)
+        if name == "dflash":
+            name = f"dflash{eng.drafter.block}"
         with torch.inference_mode(), eng.step_threads():
             ops.update(_ops(name, eng, args.context, args.accepted, args.k))
     times: dict[str, list[float]] = {name: [] for name in ops}
@@ -113,18 +108,40 @@ def main() -> None:
     med = {n: statistics.median(v) * 1e3 for n, v in times.items()}
     step, k = med["chain_step"], args.k
     rounds = {"chain": med["chain_refill"] + (k - 1) * step,
-              "dflash": med["dflash_context"] + med["dflash_pass"],
               "peagle": med["peagle_refill"] + med["peagle_pass"]}
-    print(f"block pass vs chain step: context {args.context}, K={k}, {args.accepted} accepted, "
-          f"{torch.get_num_threads()} threads, median of {args.reps}")
+    for n in med:
+        if n.startswith("dflash") and n.endswith("_pass"):
+            d = n[:-len("_pass")]
+            rounds[d] = med[f"{d}_context"] + med[n]
+    return {"bench": "block_pass", "context": args.context, "k": k, "accepted": args.accepted,
+            "threads": torch.get_num_threads(), "reps": args.reps,
+            "median_ms": {n: round(v, 3) for n, v in med.items()},
+            "min_ms": {n: round(min(v) * 1e3, 3) for n, v in times.items()},
+            "ratio_to_chain_step": {n: round(v / step, 3) for n, v in med.items()},
+            "round_ms": {n: round(v, 3) for n, v in rounds.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--chain", default=f"{STUDY}/eagle3/checkpoints/best")
+    ap.add_argument("--dflash", nargs="+", default=[f"{STUDY}/dflash4/checkpoints/best"])
+    ap.add_argument("--peagle", default=f"{STUDY}/peagle/checkpoints/best")
+    ap.add_argument("--k", type=int, default=3, help="drafts per round (DFlash: B - 1)")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--accepted", type=int, default=1, help="drafts taken in the refilled round")
+    ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="engine overrides, e.g. engine.head_code=none")
+    res = measure(ap.parse_args())
+    med, ratio, rounds = res["median_ms"], res["ratio_to_chain_step"], res["round_ms"]
+    print(f"block pass vs chain step: context {res['context']}, K={res['k']}, {res['accepted']} "
+          f"accepted, {res['threads']} threads, median of {res['reps']}")
     for n, v in med.items():
-        print(f"  {n:<15} {v:7.3f} ms  {v / step:5.2f}x chain_step  (min {min(times[n]) * 1e3:.3f})")
+        print(f"  {n:<16} {v:7.3f} ms  {ratio[n]:5.2f}x chain_step  (min {res['min_ms'][n]:.3f})")
     for n, v in rounds.items():
         print(f"  round draft work, {n:<7} {v:7.3f} ms  {v / rounds['chain']:5.2f}x the chain's")
-    print(json.dumps({"bench": "block_pass", "context": args.context, "k": k,
-                      "accepted": args.accepted, "median_ms": {n: round(v, 3) for n, v in med.items()},
-                      "ratio_to_chain_step": {n: round(v / step, 3) for n, v in med.items()},
-                      "round_ms": {n: round(v, 3) for n, v in rounds.items()}}))
+    print(json.dumps(res))
 
 
 if __name__ == "__main__":
