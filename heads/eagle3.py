@@ -60,10 +60,23 @@ class Eagle3Head(DraftHead):
         """One layer serves every draft step; k >= 2 of a P-EAGLE head reads the mask token
         and fc(mask_hidden) instead of tokens and hidden_in."""
         if k > 1 and self.cfg.parallel_drafting:
-            tokens = torch.full_like(tokens, self.mask_id)
-            g = self.fc(self.mask_hidden.to(self.fc.weight.dtype).unsqueeze(0))
-            hidden_in = g.expand(tokens.shape[0], -1).contiguous()
+            return self.mask_step(tokens.shape[0], ctx)
         x = torch.cat([self.input_norm(self.embed_tokens(tokens)), self.hidden_norm(hidden_in)], -1)
         o = self.layer(x, ctx, residual=hidden_in)
+        return o, self.final_norm(o)
+
+    def mask_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """P-EAGLE: the input every step k >= 2 row shares -> (x [1, 2H], the mask token's
+        normed embedding beside hidden_norm(g); g = fc(mask_hidden) [1, H], its residual)."""
+        g = self.fc(self.mask_hidden.to(self.fc.weight.dtype).unsqueeze(0))
+        tok = torch.full((1,), self.mask_id, dtype=torch.long, device=g.device)
+        return torch.cat([self.input_norm(self.embed_tokens(tok)), self.hidden_norm(g)], -1), g
+
+    def mask_step(self, n: int, ctx, inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """n rows of steps k >= 2 -> (o [n, H], features [n, H]). inputs: mask_inputs(), which
+        the engine computes once per drafter (its weights are fixed there), else now."""
+        x, g = self.mask_inputs() if inputs is None else inputs
+        o = self.layer(x.expand(n, -1).contiguous(), ctx, residual=g.expand(n, -1).contiguous())
         return o, self.final_norm(o)
 

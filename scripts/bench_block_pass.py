@@ -90,7 +90,9 @@ def measure(args: argparse.Namespace) -> dict:
     ops, engines = {}, []
     heads = [("chain", args.chain), ("peagle", args.peagle)] + [("dflash", d) for d in args.dflash]
     for name, ck in heads:
-        draft = SimpleNamespace(kind="head", checkpoint=ck, scheme="chain", num_draft=args.k)
+        # A DFlash pass drafts its whole block whatever K is (num_draft only caps rounds).
+        k = 1 if name == "dflash" else args.k
+        draft = SimpleNamespace(kind="head", checkpoint=ck, scheme="chain", num_draft=k)
         eng = build_engine(loaded, cfg.engine, draft)
         engines.append(eng)
         if name == "dflash":

@@ -148,7 +148,10 @@ class TPParallelHeadDrafter(_SendsRuns, ParallelHeadDrafter):
     run(k=2), which is the same pass on a follower: under TP nothing is compiled or
     graphed (engine.compile and CUDA graphs are off), so run() is head.step(k=2)."""
 
-    def _mask_pass(self, tokens, hidden, plan):
+    def _mask_pass(self, rows, plan):
+        tokens = torch.zeros(rows, dtype=torch.long, device=self.device)  # read as the mask
+        hidden = torch.zeros(rows, self.head.arch.hidden_size, dtype=self.cache.k.dtype,
+                             device=self.device)
         return self.run(tokens, hidden, plan, k=2)[1]
 
 

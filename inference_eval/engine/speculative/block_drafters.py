@@ -42,6 +42,7 @@ class ParallelHeadDrafter(_PrecomputedLaws, HeadDrafter):
     """A P-EAGLE head: d_1 from the refill's carry, d_2..d_K from one pass of mask rows."""
 
     drafts_trees = False  # a tree's nodes would all read the same mask input
+    _mask_in: tuple[torch.Tensor, torch.Tensor] | None = None  # head.mask_inputs(), once
 
     def draft_lengths(self, reqs, n, ks):
         self.round_ks = {r.id: k for r, k in zip(reqs, ks)}
@@ -57,22 +58,22 @@ class ParallelHeadDrafter(_PrecomputedLaws, HeadDrafter):
         # Step k of request i sits at head index n_i + k - 2: rows n_i .. n_i + K_i - 2.
         q = [ks[i] - 1 for i in deep]
         layout = self._layout([reqs[i] for i in deep], q, [n[i] + j for i, j in zip(deep, q)])
-        rows = sum(q)
-        tokens = torch.zeros(rows, dtype=torch.long, device=self.device)  # the head reads its mask
-        hidden = first.new_zeros(rows, self.head.arch.hidden_size).to(self.cache.k.dtype)
-        logits = self._mask_pass(tokens, hidden, self.backend.plan(layout))
+        logits = self._mask_pass(sum(q), self.backend.plan(layout))
         start = 0
         for i, m in zip(deep, q):
             laws[i, :m] = logits[start:start + m]
             start += m
         return laws, first
 
-    def _mask_pass(self, tokens: torch.Tensor, hidden: torch.Tensor, plan) -> torch.Tensor:
-        """Steps 2..K: tokens [R], hidden [R, H] (read as the mask) -> logits [R, V]. Not
-        through run(): its compiled steps and CUDA graphs are step 1's (k is not an input)."""
+    def _mask_pass(self, rows: int, plan) -> torch.Tensor:
+        """Steps 2..K of `rows` rows -> logits [rows, V]. Not through run(): its compiled
+        steps and CUDA graphs are step 1's (k is not an input). Every mask row reads the same
+        input, a constant of the head: computed at the first pass (fc's A*H x H product)."""
         ctx = StepContext(self.head.rope_cos[plan.positions], self.head.rope_sin[plan.positions],
                           plan, self.cache)
-        return self._logits(self.head.step(tokens, hidden, ctx, k=2)[1])
+        if self._mask_in is None:
+            self._mask_in = tuple(t.to(self.cache.k.dtype) for t in self.head.mask_inputs())
+        return self._logits(self.head.mask_step(rows, ctx, self._mask_in)[1])
 
 
 class BlockContextDrafter(_PrecomputedLaws, _HeadLogits, Drafter):
