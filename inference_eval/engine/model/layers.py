@@ -74,8 +74,7 @@ class Attention(nn.Module):
         if self.cpu_blas and cpu_fused.applies(qkv, ctx.cos, *norms):
             # q/k-normed layers (Qwen3, DFlash) norm each head's row inside the same pass.
             q, k, v = cpu_fused.rope_split(qkv, ctx.cos, ctx.sin, self.heads, self.kv_heads,
-                                           self.head_dim, *norms,
-                                           *(() if qn is None else (qn.eps,)))
+                                           self.head_dim, *norms, eps=getattr(qn, "eps", 1e-6))
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(t, self.heads, self.head_dim)
