@@ -91,7 +91,7 @@ def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg,
         make = _with_lookup(make, loaded, draft_cfg)
     if scheme == "tree":
         return TreeSpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.depth,
-                              draft_cfg.topk, draft_cfg.total_tokens)
+                              draft_cfg.topk, draft_cfg.total_tokens, lookahead=lookahead)
     return SpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.num_draft,
                       lookahead=lookahead, min_confidence=getattr(draft_cfg, "min_confidence", 0.0))
 
@@ -142,9 +142,7 @@ def _block_drafter(head, draft_cfg, scheme: str):
     """(drafter factory, cache lookahead) of a head that drafts a round in one pass: P-EAGLE
     (drafting "parallel") or DFlash ("block"), whose block needs B cache slots per round."""
     name = f"{draft_cfg.checkpoint} holds a {head.cfg.type!r} head drafting {head.drafting!r}"
-    if scheme == "tree":
-        raise ValueError(f"draft.scheme=tree: {name} (a round in one pass, no tree): use "
-                         "scheme=chain")
+    k = draft_cfg.depth if scheme == "tree" else draft_cfg.num_draft
     sync_free = getattr(draft_cfg, "sync_free", False)
     if head.drafting == "parallel":
         return (lambda pages, ps, dev, dt: ParallelHeadDrafter(  # noqa: E731
@@ -152,7 +150,7 @@ def _block_drafter(head, draft_cfg, scheme: str):
     if sync_free:
         raise ValueError(f"draft.sync_free: {name}, which has no sync-free catch-up")
     return ((lambda pages, ps, dev, dt: BlockContextDrafter(head, pages, ps, dev, dt)),  # noqa: E731
-            max(draft_cfg.num_draft, head.block_size - 1) + 1)
+            max(k, head.block_size - 1) + 1)
 
 
 @functools.lru_cache(maxsize=4)

@@ -67,6 +67,12 @@ def _engine(loaded, path, k=3, conf=0.0, **cfg):
         kind="head", checkpoint=str(path), num_draft=k, scheme="chain", min_confidence=conf))
 
 
+def _tree(loaded, path, depth=3, topk=2, total=6, **cfg):
+    return build_engine(loaded, EngineConfig(**CFG, **cfg), SimpleNamespace(
+        kind="head", checkpoint=str(path), scheme="tree", depth=depth, topk=topk,
+        total_tokens=total))
+
+
 def _trained_laws(loaded, head, token_ids: list[int]) -> torch.Tensor:
     """[K, V]: the training forward's laws of the drafts after `token_ids` (its last token
     x_n has no target state yet), in the target vocabulary."""
@@ -99,7 +105,7 @@ def test_engine_drafts_are_the_training_forwards(loaded, tmp_path, kind):
         n = [req.num_cached]
         assert eng.drafter.draft_lengths([req], n, [3]) == [3]
         state, first = eng.drafter.begin_round([req], n)
-        got = torch.cat([first, state[0]])
+        got = torch.cat([first] + [eng.drafter.step([req], n, s, None, state)[1] for s in (1, 2)])
         torch.testing.assert_close(got, _trained_laws(loaded, head, req.token_ids),
                                    rtol=1e-4, atol=1e-4)
     assert sum(req.proposed) > 0
@@ -187,10 +193,8 @@ def test_refusals(loaded, fitted):
     path, prompts, _, _ = fitted["dflash"]
     with pytest.raises(ValueError, match="num_draft=4 is more than the 3"):
         _engine(loaded, path, k=4)
-    with pytest.raises(ValueError, match="scheme=tree.*'block'.*use scheme=chain"):
-        build_engine(loaded, EngineConfig(**CFG), SimpleNamespace(
-            kind="head", checkpoint=str(path), num_draft=3, scheme="tree", depth=3, topk=2,
-            total_tokens=6))
+    with pytest.raises(ValueError, match="draft.depth=4 is more than the 3"):
+        _tree(loaded, path, depth=4)
     with pytest.raises(ValueError, match="sync_free"):
         build_engine(loaded, EngineConfig(**CFG), SimpleNamespace(
             kind="head", checkpoint=str(path), num_draft=3, scheme="chain", sync_free=True))
@@ -210,3 +214,58 @@ def test_block_drafter_behind_lookup_keeps_its_lengths(loaded, fitted):
         lookup_min_match=2, lookup_max_match=4, model_draft=None))
     out = eng.generate(prompts, params, progress=False)
     assert [r.token_ids for r in out] == _ar(loaded, prompts, params)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "peagle"])
+def test_block_tree_is_the_per_position_top_k(loaded, fitted, kind):
+    """draft.scheme=tree over a block drafter: after the prefill and each round, every node of
+    depth d of the round's tree is among the top-k of the training forward's law of d_d (its
+    parent does not change it), and depth 1 holds exactly that top-k."""
+    path, prompts, _, _ = fitted[kind]
+    eng = _tree(loaded, path, depth=3, topk=2, total=5)
+    req = eng.add_request(prompts[0], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+        n = [req.num_cached]
+        ks = eng.drafter.draft_lengths([req], n, [3])
+        tree = eng._build([req], ks, n)
+        top = _trained_laws(loaded, eng.drafter.head, req.token_ids).topk(2, dim=-1).indices
+        valid = tree.valid[0].nonzero().flatten()[1:].tolist()  # the root excluded
+        depth, tok = tree.depth[0].tolist(), tree.tokens[0].tolist()
+        assert sorted(tok[i] for i in valid if depth[i] == 1) == sorted(top[0].tolist())
+        assert all(tok[i] in top[depth[i] - 1].tolist() for i in valid)
+        assert max(depth[i] for i in valid) >= 2
+
+
+@pytest.mark.parametrize("kind", ["dflash", "peagle"])
+def test_block_tree_greedy_is_lossless_and_accepts_more(loaded, fitted, kind):
+    """Batched, per-request lengths: the tree's output is the autoregressive one, its drafts
+    are accepted, deeper than one node, and a top-2 tree accepts at least what the chain of the
+    same drafter does."""
+    path, prompts, _, _ = fitted[kind]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (24, 9, 17, 5)]
+    out = _tree(loaded, path).generate(prompts, params, progress=False)
+    assert [r.token_ids for r in out] == _ar(loaded, prompts, params)
+    acc = [a for r in out for a in r.meta["accepted"][1:]]
+    chain = [a for r in _engine(loaded, path).generate(prompts, params, progress=False)
+             for a in r.meta["accepted"][1:]]
+    assert max(acc) >= 2 and sum(acc) / len(acc) >= sum(chain) / len(chain)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "peagle"])
+def test_block_tree_sampled_is_lossless(loaded, fitted, kind):
+    """Temperature 0.8, top-k 4, a depth-2 top-2 tree: the joint law of the first three tokens
+    is the target's, and the first round's tree is accepted to depth 2 in some trials."""
+    path, prompts, _, _ = fitted[kind]
+    prompt = prompts[0]
+    params = SamplingParams(temperature=0.8, top_k=4, max_new_tokens=4, ignore_eos=True)
+    joint = _joint_first_three(loaded.model, prompt, params)
+    eng = _tree(loaded, path, depth=2, topk=2, total=4, max_batch_size=4096, seed=12)
+    trials = 3000
+    out = eng.generate([prompt] * trials, params, progress=False)
+    counts = torch.zeros_like(joint)
+    for r in out:
+        counts[tuple(r.token_ids[:3])] += 1
+    first_round = [r.meta["accepted"][1] for r in out]
+    assert 0 < first_round.count(2) < trials and 0 < first_round.count(0)
+    assert chi2_pvalue(counts, joint) > 1e-4

@@ -1,8 +1,9 @@
 """Heads with a reduced draft vocabulary and block drafters at tensor-parallel size 2 (gloo
 ranks on the CPU, the tiny random Llama target): an EAGLE-3 chain over its own V_draft rows,
 an MTP chain over the target's frozen rows of a draft vocabulary, P-EAGLE (and its sync-free
-round) and DFlash (full and reduced vocabulary) are lossless (greedy = autoregressive), with
-drafts accepted, and accept per round exactly what the same drafter accepts at size 1."""
+round) and DFlash (full and reduced vocabulary), chains and trees, are lossless (greedy =
+autoregressive), with drafts accepted, and accept per round exactly what the same drafter
+accepts at size 1."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -72,6 +73,9 @@ def runs(tiny_hf, tmp_path_factory):
         cases[name] = SimpleNamespace(**CHAIN, checkpoint=str(tmp / name))
     cases["peagle_sync_free"] = SimpleNamespace(**CHAIN, checkpoint=str(tmp / "peagle"),
                                                 sync_free=True)
+    for name in ("peagle", "dflash"):  # a tree over the block's per-position top-k
+        cases[f"{name}_tree"] = SimpleNamespace(kind="head", scheme="tree", depth=3, topk=2,
+                                                total_tokens=6, checkpoint=str(tmp / name))
     one = {}
     for name, draft in cases.items():
         engine = build_engine(loaded, EngineConfig(**ENGINE), draft)
@@ -81,7 +85,7 @@ def runs(tiny_hf, tmp_path_factory):
     return two, one, ar, loaded.model.arch
 
 
-@pytest.mark.parametrize("name", [*HEADS, "peagle_sync_free"])
+@pytest.mark.parametrize("name", [*HEADS, "peagle_sync_free", "peagle_tree", "dflash_tree"])
 def test_tp2_is_lossless_and_accepts_as_tp1(runs, name):
     two, one, ar, _ = runs
     got, ref = two[name], one[name]

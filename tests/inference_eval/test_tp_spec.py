@@ -200,23 +200,6 @@ def test_tp2_sampled_chain_draws_as_tp1(runs):
     assert [len(t) for t in got["tokens"]] == MAX_NEW and sum(map(sum, got["accepted"])) > 0
 
 
-def test_block_drafter_trees_are_refused_by_name_before_the_split(tiny_hf, tmp_path):
-    """What the engine refuses at T=1 it refuses at T on every rank, before any is split
-    (reduced vocabularies and block drafters themselves: test_tp_block_heads.py)."""
-    from inference_eval.engine.parallel.group import TPGroup
-    from inference_eval.evaluation.engines import build_tp_spec_engine
-
-    loaded = load_tiny(tiny_hf)
-    head = build_head(HeadConfig(type="dflash", num_steps=3, num_layers=1, aux_layers=AUX),
-                      frozen_parts_of(loaded))
-    save_head(head, tmp_path / "dflash")
-    tp = TPGroup(0, 2, None, 0, 0, 1, torch.device("cpu"))
-    with pytest.raises(ValueError, match="scheme=tree.*'block'.*use scheme=chain"):
-        build_tp_spec_engine(loaded, None, tp, SimpleNamespace(
-            kind="head", checkpoint=str(tmp_path / "dflash"), scheme="tree", depth=3, topk=2,
-            total_tokens=6))
-
-
 def test_chain_round_is_k_plus_one_calls(runs):
     """One request, MTP chain: the prefill (target + head refill), then per round of k drafts
     k - 1 draft steps, the verify pass and the refill: k + 1 broadcasts and gathers, 3

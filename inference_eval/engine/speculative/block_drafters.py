@@ -1,12 +1,14 @@
 """Block drafters: one draft pass per round proposes all of its drafts, behind the same
 `Drafter` verbs the chain engine calls (drafters.py).
 
-`begin_round` runs the pass and returns d_1's law plus, as the round's `state`, the laws of
-d_2..d_K [L, K-1, V]; `step` s only hands out law s + 1 (the engine selects the state's rows
-of the requests still drafting, as for any drafter). The laws do not depend on the tokens
-drawn before them, so the engine still draws d_k from exactly the law q_k it passes to
-verification, and greedy and sampled verification stay lossless; the confidence cut
-(draft.min_confidence) reads the same laws.
+`begin_round` runs the pass and returns d_1's law; the laws of d_2..d_K [L, K-1, V] stay in
+the drafter, and the round's `state` is each request's row of them [L, 1]; `step` s only hands
+out law s + 1 (the engine selects the state's rows of the requests still drafting, as for any
+drafter). The laws do not depend on the tokens drawn before them, so the engine still draws
+d_k from exactly the law q_k it passes to verification, and greedy and sampled verification
+stay lossless; the confidence cut (draft.min_confidence) reads the same laws. The tree engine
+grows a tree over them with `grow`: every node of depth d gets the law of d_{d+1}, so the tree
+is the block's per-position top-k (draft.scheme=tree, its depth <= the block's drafts).
 
 - `ParallelHeadDrafter`: a P-EAGLE head (heads/eagle3.py, parallel_drafting). Its cache and
   refills are `HeadDrafter`'s (the head's index j holds (h_j, x_{j+1})); a round's steps
@@ -31,24 +33,44 @@ from inference_eval.engine.speculative.drafters import Drafter, HeadDrafter, _He
 
 
 class _PrecomputedLaws:
-    """step() of a drafter whose begin_round computed every law of the round."""
+    """The verbs of a drafter whose round is one pass: `_round_laws` computes every law of the
+    round; the round's state is each request's row [L, 1] of them (the engine selects state
+    rows, and a tree's nodes carry their request's row), and a law does not depend on the
+    tokens drawn before it: a tree node of depth d gets law d + 1 whatever its parent, so a
+    tree over a block is the per-position top-k (children of every node at depth d: the top-k
+    of q_{d+1}), and `topk` tree verification stays lossless (its children are deterministic)."""
+
+    drafts_trees = True
+    _laws: torch.Tensor | None = None  # [L, K-1, V]: d_2..d_K of the round's requests
+
+    def _round_laws(self, reqs, n) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (laws of d_2..d_K [L, K-1, V], law of d_1 [L, V]) of the round's one pass."""
+        raise NotImplementedError
+
+    def begin_round(self, reqs, n):
+        self._laws, first = self._round_laws(reqs, n)
+        return torch.arange(len(reqs), device=first.device).unsqueeze(1), first
 
     def step(self, reqs, n, s, tokens, state):
-        """state [L, K-1, V]: laws of d_2..d_K -> (state, the law of d_{s+1} [L, V])."""
-        return state, state[:, s - 1]
+        """state [L, 1]: the requests' rows of the round -> (state, the law of d_{s+1} [L, V])."""
+        return state, self._laws[state[:, 0], s - 1]
+
+    def grow(self, tokens, state, plan, k):
+        """Tree nodes of depth k - 1, state [M, 1] their requests' rows -> (state, the law of
+        their children [M, V]); nothing runs (the plan's scratch slots stay unused)."""
+        return state, self._laws[state[:, 0], k - 2]
 
 
 class ParallelHeadDrafter(_PrecomputedLaws, HeadDrafter):
     """A P-EAGLE head: d_1 from the refill's carry, d_2..d_K from one pass of mask rows."""
 
-    drafts_trees = False  # a tree's nodes would all read the same mask input
     _mask_in: tuple[torch.Tensor, torch.Tensor] | None = None  # head.mask_inputs(), once
 
     def draft_lengths(self, reqs, n, ks):
         self.round_ks = {r.id: k for r, k in zip(reqs, ks)}
         return list(ks)
 
-    def begin_round(self, reqs, n):
+    def _round_laws(self, reqs, n):
         first = self._carried(reqs)[1]  # [L, V]
         ks = [self.round_ks.get(r.id, 1) for r in reqs]
         deep = [i for i, k in enumerate(ks) if k > 1]
@@ -125,7 +147,7 @@ class BlockContextDrafter(_PrecomputedLaws, _HeadLogits, Drafter):
                               [m + a + 1 for m, a in zip(n, accepted)])
         self._write_context(out.aux.index_select(0, flat), layout)
 
-    def begin_round(self, reqs, n):
+    def _round_laws(self, reqs, n):
         b, L = self.block, len(reqs)
         last = torch.tensor([r.token_ids[-1] for r in reqs], device=self.device)
         ones, rows = self._block_consts(L)

@@ -23,8 +23,9 @@ ends (device indices) as the next round's state; `accept` is then not called.
 
 `state` is the drafter's own per-request carry (a [L, ...] tensor, or None): the engine only
 selects its rows for the requests still drafting. A tree engine grows its nodes with
-`run(tokens, state, plan, k=...)` on layouts it plans itself (scratch slots and masks), which
-only drafters with `drafts_trees` support.
+`grow(tokens, state, plan, k)` on layouts it plans itself (scratch slots and masks), which
+only drafters with `drafts_trees` support (a head runs them; a block drafter hands out the
+round's law of depth k, block_drafters.py).
 
 Three drafters share the target's page tables (one allocator, one block table per request):
 - `HeadDrafter`: an MTP/EAGLE head with its own one-layer KV cache. Alignment (the table in
@@ -58,7 +59,7 @@ class Drafter:
     """The interface both engines call (see the module docstring for one round).
 
     aux_layers: target layers whose outputs `prefill` / `accept` read in `out.aux` (EAGLE-3).
-    drafts_trees: `run` can draft the nodes of a tree in the head's shifted alignment.
+    drafts_trees: `grow` can draft the nodes of a tree (a head: in its shifted alignment).
     max_steps: the most draft tokens one round can have (None: unbounded; Medusa: its heads).
     """
 
@@ -134,6 +135,13 @@ class Drafter:
         -> (next state [T, ...] or None, logits [T or R, V] fp32); rows [R] limits the
         lm_head to those rows; k: the 1-based draft step the tokens are drafted for."""
         raise NotImplementedError
+
+    def grow(self, tokens: torch.Tensor, state: torch.Tensor | None, plan,
+             k: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """A tree engine's nodes of depth k - 1 over its planned layout (their scratch slots
+        and ancestor masks): tokens [M], state [M, ...] their parents' states -> (their
+        states, logits [M, V] fp32 of their children, drafts of step k). A head runs them."""
+        return self.run(tokens, state, plan, k=k)
 
     def drop(self, rid: int) -> None:
         pass

@@ -52,6 +52,8 @@ class _VerifyRows:
 
 
 class SpecEngine(LLMEngine):
+    k_key = "draft.num_draft"  # the config key of max_accepted, for errors
+
     def __init__(self, model, tokenizer, cfg: EngineConfig | None, make_drafter, max_accepted: int,
                  lookahead: int | None = None, min_confidence: float = 0.0) -> None:
         """make_drafter(num_pages, page_size, device, dtype) -> a Drafter on the engine's pages;
@@ -69,9 +71,10 @@ class SpecEngine(LLMEngine):
         self.max_accepted = max_accepted
         self.drafter = make_drafter(self.allocator.num_pages, self.cfg.page_size, self.device, self.dtype)
         if self.drafter.max_steps is not None and max_accepted > self.drafter.max_steps:
-            raise ValueError(f"draft.num_draft={max_accepted} is more than the {self.drafter.max_steps} "
+            key = self.k_key
+            raise ValueError(f"{key}={max_accepted} is more than the {self.drafter.max_steps} "
                              "draft positions this drafter has (a Medusa checkpoint's heads, a "
-                             f"block drafter's block): set draft.num_draft <= {self.drafter.max_steps}")
+                             f"block drafter's block): set {key} <= {self.drafter.max_steps}")
         self.timing = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "catch_up": 0.0}
         self.counters = {"rounds": 0, "host_syncs": 0}  # device-to-host reads per round
         self._rows_seen: dict[tuple, _VerifyRows] = {}

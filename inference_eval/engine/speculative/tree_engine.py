@@ -43,15 +43,18 @@ from inference_eval.engine.speculative.tree import (TREE_FIELDS, DraftTree, tree
 
 
 class TreeSpecEngine(SpecEngine):
+    k_key = "draft.depth"
     def __init__(self, model, tokenizer, cfg: EngineConfig | None, make_drafter, depth: int,
-                 topk: int, total_tokens: int, frontier: int | None = None) -> None:
+                 topk: int, total_tokens: int, frontier: int | None = None,
+                 lookahead: int | None = None) -> None:
         """depth D: tree levels (the most tokens a round accepts, bonus excluded); topk:
         children per expanded node; total_tokens: draft nodes kept (root excluded);
-        frontier F: nodes expanded per level (EAGLE-2 expands the top-k, so default topk)."""
+        frontier F: nodes expanded per level (EAGLE-2 expands the top-k, so default topk);
+        lookahead: cache slots the drafter writes past the last token (a DFlash block)."""
         self.topk, self.frontier, self.total = topk, frontier or topk, total_tokens
         scratch = (depth - 1) * self.frontier
         super().__init__(model, tokenizer, cfg, make_drafter, depth,
-                         lookahead=max(total_tokens, scratch) + 1)
+                         lookahead=max(total_tokens, scratch, (lookahead or 0) - 1) + 1)
         if not self.drafter.drafts_trees:
             raise ValueError("draft.scheme=tree needs draft=head with an MTP/EAGLE head; use "
                              "scheme=chain for draft=llm or a Medusa head")
@@ -103,9 +106,9 @@ class TreeSpecEngine(SpecEngine):
                                  self.cfg.page_size, positions=pos.repeat_interleave(f),
                                  tree_masks=list(mask))
             parents = tree.parents.gather(1, nodes).clamp(min=0)
-            nxt, logits = self.drafter.run(tree.tokens.gather(1, nodes).view(-1),
-                                           out_h[rows, parents].view(lb * f, -1),
-                                           self.backend.plan(layout), k=d + 1)
+            nxt, logits = self.drafter.grow(tree.tokens.gather(1, nodes).view(-1),
+                                            out_h[rows, parents].view(lb * f, -1),
+                                            self.backend.plan(layout), d + 1)
             out_h[rows, nodes] = torch.where((frontier >= 0).unsqueeze(-1), nxt.view(lb, f, -1),
                                             out_h[rows, nodes])
             tree, frontier = tree_expand(tree, frontier, logits.view(lb, f, -1).log_softmax(-1),
@@ -139,8 +142,8 @@ class TreeSpecEngine(SpecEngine):
         t0 = time.perf_counter()
         dev = self.device
         st = SamplingTensors.from_params([r.params for r in reqs], dev)
-        ks = [self._draft_len(r) for r in reqs]
         n = [r.num_cached for r in reqs]
+        ks = self.drafter.draft_lengths(reqs, n, [self._draft_len(r) for r in reqs])
         tree = self._build(reqs, ks, n)
         t0 = self._tick("draft", t0)
         m = tree.valid.sum(1).tolist()  # valid nodes are a prefix of each row
