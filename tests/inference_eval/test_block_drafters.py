@@ -168,25 +168,31 @@ def _joint_first_three(model, prompt: list[int], params: SamplingParams) -> torc
     return joint
 
 
+def _sampled_first_three(loaded, eng, prompt, trials: int = 3000):
+    """Temperature 0.8, top-k 4: `trials` generations of 4 tokens; asserts that the joint law
+    of the first three is the target's and that the first round accepted both of two drafts
+    in some trials and none in others -> the outputs."""
+    params = SamplingParams(temperature=0.8, top_k=4, max_new_tokens=4, ignore_eos=True)
+    joint = _joint_first_three(loaded.model, prompt, params)
+    out = eng.generate([prompt] * trials, params, progress=False)
+    counts = torch.zeros_like(joint)
+    for r in out:
+        counts[tuple(r.token_ids[:3])] += 1
+    first_round = [r.meta["accepted"][1] for r in out]
+    assert 0 < first_round.count(2) < trials and 0 < first_round.count(0)
+    assert chi2_pvalue(counts, joint) > 1e-4
+    return out
+
+
 @pytest.mark.parametrize("kind", ["dflash", "peagle"])
 def test_sampled_is_lossless_with_accepted_block_drafts(loaded, fitted, kind):
     """Temperature 0.8, top-k 4, K = 2: the first round after the prefill drafts d_1 and d_2
     from one pass (d_2's law does not see d_1); the joint law of the first three tokens is the
     target's, and both drafts were accepted in some rounds and rejected in others."""
     path, prompts, _, _ = fitted[kind]
-    prompt = prompts[0]
-    params = SamplingParams(temperature=0.8, top_k=4, max_new_tokens=4, ignore_eos=True)
-    joint = _joint_first_three(loaded.model, prompt, params)
-    eng = _engine(loaded, path, k=2, max_batch_size=4096, seed=11)
-    trials = 3000
-    out = eng.generate([prompt] * trials, params, progress=False)
-    counts = torch.zeros_like(joint)
-    for r in out:
-        counts[tuple(r.token_ids[:3])] += 1
-    first_round = [r.meta["accepted"][1] for r in out]
+    out = _sampled_first_three(loaded, _engine(loaded, path, k=2, max_batch_size=4096, seed=11),
+                               prompts[0])
     assert all(r.meta["proposed"][1] == 2 for r in out)
-    assert 0 < first_round.count(2) < trials and 0 < first_round.count(0)
-    assert chi2_pvalue(counts, joint) > 1e-4
 
 
 def test_refusals(loaded, fitted):
@@ -257,15 +263,5 @@ def test_block_tree_sampled_is_lossless(loaded, fitted, kind):
     """Temperature 0.8, top-k 4, a depth-2 top-2 tree: the joint law of the first three tokens
     is the target's, and the first round's tree is accepted to depth 2 in some trials."""
     path, prompts, _, _ = fitted[kind]
-    prompt = prompts[0]
-    params = SamplingParams(temperature=0.8, top_k=4, max_new_tokens=4, ignore_eos=True)
-    joint = _joint_first_three(loaded.model, prompt, params)
-    eng = _tree(loaded, path, depth=2, topk=2, total=4, max_batch_size=4096, seed=12)
-    trials = 3000
-    out = eng.generate([prompt] * trials, params, progress=False)
-    counts = torch.zeros_like(joint)
-    for r in out:
-        counts[tuple(r.token_ids[:3])] += 1
-    first_round = [r.meta["accepted"][1] for r in out]
-    assert 0 < first_round.count(2) < trials and 0 < first_round.count(0)
-    assert chi2_pvalue(counts, joint) > 1e-4
+    _sampled_first_three(loaded, _tree(loaded, path, depth=2, topk=2, total=4,
+                                       max_batch_size=4096, seed=12), prompts[0])
