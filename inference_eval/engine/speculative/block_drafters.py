@@ -57,7 +57,7 @@ class _PrecomputedLaws:
 
     def grow(self, tokens, state, plan, k):
         """Tree nodes of depth k - 1, state [M, 1] their requests' rows -> (state, the law of
-        their children [M, V]); nothing runs (the plan's scratch slots stay unused)."""
+        their children [M, V]); nothing runs, so the level's plan is never built."""
         return state, self._laws[state[:, 0], k - 2]
 
 

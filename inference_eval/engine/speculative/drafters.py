@@ -39,7 +39,7 @@ Three drafters share the target's page tables (one allocator, one block table pe
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -136,12 +136,13 @@ class Drafter:
         lm_head to those rows; k: the 1-based draft step the tokens are drafted for."""
         raise NotImplementedError
 
-    def grow(self, tokens: torch.Tensor, state: torch.Tensor | None, plan,
+    def grow(self, tokens: torch.Tensor, state: torch.Tensor | None, plan: Callable,
              k: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """A tree engine's nodes of depth k - 1 over its planned layout (their scratch slots
-        and ancestor masks): tokens [M], state [M, ...] their parents' states -> (their
-        states, logits [M, V] fp32 of their children, drafts of step k). A head runs them."""
-        return self.run(tokens, state, plan, k=k)
+        """A tree engine's nodes of depth k - 1: tokens [M], state [M, ...] their parents'
+        states, plan() the plan of their layout (scratch slots and ancestor masks; built only
+        when asked) -> (their states, logits [M, V] fp32 of their children, drafts of step k).
+        A head runs them."""
+        return self.run(tokens, state, plan(), k=k)
 
     def drop(self, rid: int) -> None:
         pass

@@ -44,6 +44,7 @@ from inference_eval.engine.speculative.tree import (TREE_FIELDS, DraftTree, tree
 
 class TreeSpecEngine(SpecEngine):
     k_key = "draft.depth"
+
     def __init__(self, model, tokenizer, cfg: EngineConfig | None, make_drafter, depth: int,
                  topk: int, total_tokens: int, frontier: int | None = None,
                  lookahead: int | None = None) -> None:
@@ -54,7 +55,7 @@ class TreeSpecEngine(SpecEngine):
         self.topk, self.frontier, self.total = topk, frontier or topk, total_tokens
         scratch = (depth - 1) * self.frontier
         super().__init__(model, tokenizer, cfg, make_drafter, depth,
-                         lookahead=max(total_tokens, scratch, (lookahead or 0) - 1) + 1)
+                         lookahead=max(total_tokens + 1, scratch + 1, lookahead or 0))
         if not self.drafter.drafts_trees:
             raise ValueError("draft.scheme=tree needs draft=head with an MTP/EAGLE head; use "
                              "scheme=chain for draft=llm or a Medusa head")
@@ -99,16 +100,11 @@ class TreeSpecEngine(SpecEngine):
             nodes = frontier.clamp(min=0)  # [L, F]; an empty slot stands in for the root
             slot[rows, nodes] = torch.where(frontier >= 0,
                                             (d - 1) * f + torch.arange(f, device=dev), -1)
-            mask = self._scratch_mask(tree.parents, frontier, slot, d * f)  # [L, F, d*F]
-            # A request whose tree is cut shallower still runs; clamp keeps rope in range.
-            pos = torch.tensor([min(n[i] + d - 1, self.max_context - 1) for i in live], device=dev)
-            layout = BatchLayout([f] * lb, [n[i] + d * f for i in live], [reqs[i].pages for i in live],
-                                 self.cfg.page_size, positions=pos.repeat_interleave(f),
-                                 tree_masks=list(mask))
             parents = tree.parents.gather(1, nodes).clamp(min=0)
-            nxt, logits = self.drafter.grow(tree.tokens.gather(1, nodes).view(-1),
-                                            out_h[rows, parents].view(lb * f, -1),
-                                            self.backend.plan(layout), d + 1)
+            nxt, logits = self.drafter.grow(
+                tree.tokens.gather(1, nodes).view(-1), out_h[rows, parents].view(lb * f, -1),
+                lambda: self._level_plan([reqs[i] for i in live], [n[i] for i in live], tree,
+                                         frontier, slot, d), d + 1)
             out_h[rows, nodes] = torch.where((frontier >= 0).unsqueeze(-1), nxt.view(lb, f, -1),
                                             out_h[rows, nodes])
             tree, frontier = tree_expand(tree, frontier, logits.view(lb, f, -1).log_softmax(-1),
@@ -118,6 +114,19 @@ class TreeSpecEngine(SpecEngine):
         for name in TREE_FIELDS:
             getattr(full, name)[idx] = getattr(tree, name)
         return full
+
+    def _level_plan(self, reqs: list[Request], n: list[int], tree: DraftTree,
+                    frontier: torch.Tensor, slot: torch.Tensor, d: int):
+        """The plan of depth d's frontier [L, F]: each node at scratch slot n + (d-1)*F + f of
+        the head cache, attending to the prefix and its ancestors' scratch slots."""
+        f = self.frontier
+        mask = self._scratch_mask(tree.parents, frontier, slot, d * f)  # [L, F, d*F]
+        # A request whose tree is cut shallower still runs; clamp keeps rope in range.
+        pos = torch.tensor([min(m + d - 1, self.max_context - 1) for m in n], device=self.device)
+        layout = BatchLayout([f] * len(reqs), [m + d * f for m in n], [r.pages for r in reqs],
+                             self.cfg.page_size, positions=pos.repeat_interleave(f),
+                             tree_masks=list(mask))
+        return self.backend.plan(layout)
 
     @staticmethod
     def _scratch_mask(parents: torch.Tensor, frontier: torch.Tensor, slot: torch.Tensor,
