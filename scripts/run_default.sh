@@ -15,8 +15,10 @@
 #      lossless check -> $OUT/eval/report.md
 #   5. (BLOCK=dflash, on for quick and long) a DFlash block drafter (B = 4: one pass drafts
 #      3 tokens) trained on the same shards for the chain head's steps x batch tokens (its
-#      rollout steps included), evaluated beside it (run `dflash_b4`); the shards then carry
-#      the EAGLE-3 aux layers that DFlash reads (aux=eagle3). BLOCK=none skips it.
+#      rollout steps included; BLOCK_STEPS overrides: a DFlash step costs ~1/9 of a chain
+#      step on the CPU, so ~9x the steps match the chain's training time), evaluated beside
+#      it (run `dflash_b4`); the shards then carry the EAGLE-3 aux layers that DFlash reads
+#      (aux=eagle3). BLOCK=none skips it.
 # Rerunning resumes/reuses what is already there (every stage is resumable and cached).
 #
 # PRESET picks the sizes and the data (env vars DATA, PROMPTS_N, ORIG_N, ANSWER, STEPS,
@@ -61,6 +63,7 @@ DATA=${DATA:-${d[0]}}; PROMPTS_N=${PROMPTS_N:-${d[1]}}; ORIG_N=${ORIG_N:-${d[2]}
 ANSWER=${ANSWER:-${d[3]}}; STEPS=${STEPS:-${d[4]}}; BATCH=${BATCH:-${d[5]}}; K=${K:-${d[6]}}
 EVAL_PER_CAT=${EVAL_PER_CAT:-${d[7]}}; NEW=${NEW:-${d[8]}}; OUT=${OUT:-${d[9]}}
 TTT_STEPS=${TTT_STEPS:-${d[10]}}
+BLOCK_STEPS=${BLOCK_STEPS:-$(( STEPS + TTT_STEPS ))}
 [ "$PRESET" = long ] && COMPILE=${COMPILE:-true}
 COMPILE=${COMPILE:-false}
 case "$DATA" in sharegpt|distill|both) ;; *) echo "DATA=$DATA: use sharegpt, distill or both" >&2; exit 2 ;; esac
@@ -114,10 +117,10 @@ fi
 # rollout stage's included), validated the same way; one pass drafts its 3 mask positions.
 block_run=""
 if [ "$BLOCK" = dflash ]; then
-  bevals=$(( (STEPS + TTT_STEPS) / 6 > 0 ? (STEPS + TTT_STEPS) / 6 : 1 ))
-  [ "$PRESET" = quick ] && bevals=$STEPS
+  bevals=$(( BLOCK_STEPS / 6 > 0 ? BLOCK_STEPS / 6 : 1 ))
+  [ "$PRESET" = quick ] && bevals=$BLOCK_STEPS
   $PY -m train "${common[@]}" head=dflash head.num_steps=3 validation.tau_num_draft=3 \
-      output_dir="$OUT/head_dflash" trainer.max_steps=$(( STEPS + TTT_STEPS )) optim.lr=1e-3 \
+      output_dir="$OUT/head_dflash" trainer.max_steps="$BLOCK_STEPS" optim.lr=1e-3 \
       trainer.save_every="$bevals" trainer.eval_every="$bevals"
   block_run=",{kind:head,checkpoint:$OUT/head_dflash/checkpoints/best,name:dflash_b4,num_draft:3}"
 fi
