@@ -22,7 +22,7 @@
 # Rerunning resumes/reuses what is already there (every stage is resumable and cached).
 #
 # PRESET picks the sizes and the data (env vars DATA, PROMPTS_N, ORIG_N, ANSWER, STEPS,
-# BATCH, K, EVAL_PER_CAT, NEW, OUT, COMPILE, BLOCK, TTT_STEPS (steps of the K-step rollout stage
+# BATCH, K, EVAL_PER_CAT, NEW, OUT, COMPILE, BLOCK, BLOCK_STEPS, TTT_STEPS (steps of the K-step rollout stage
 # after the K=1 training; 0 skips it), REPEATS (eval passes, default 3) override them;
 # COMPILE=true runs the final evaluation on the compiled CPU engine, engine.compile: ~65 s of
 # compile per step size, 1.5x faster decoding; on for long, off for quick, where the compile
@@ -113,8 +113,8 @@ if [ "$TTT_STEPS" -gt 0 ]; then
       trainer.save_every="$tevals" trainer.eval_every="$tevals"
   H="$OUT/head_ttt"; ck="$H/checkpoints/best"
 fi
-# The block drafter at the chain head's budget: the same shards, batch and steps (the
-# rollout stage's included), validated the same way; one pass drafts its 3 mask positions.
+# The block drafter on the same shards and batch for BLOCK_STEPS steps (default the chain
+# head's, rollout stage included), validated the same way; one pass drafts its 3 mask positions.
 block_run=""
 if [ "$BLOCK" = dflash ]; then
   bevals=$(( BLOCK_STEPS / 6 > 0 ? BLOCK_STEPS / 6 : 1 ))
