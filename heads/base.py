@@ -16,6 +16,7 @@ from torch import nn
 from heads.config import HeadConfig
 from heads.frozen import FrozenHead, FrozenParts
 from heads.objective import head_objective
+from heads.transition import TransitionBias
 from inference_eval.engine.model.arch import ModelArch
 from inference_eval.engine.model.linear import matmul_wt
 from inference_eval.engine.model.rope import arch_rope_tables
@@ -61,6 +62,9 @@ class DraftHead(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.draft_lm_head = None  # EAGLE-3's own trained rows of a reduced vocabulary
+        # A block drafter's in-block bias on d_k from d_{k-1} (heads/transition.py), or None.
+        self.transition = None if not cfg.markov_rank else TransitionBias(
+            a.vocab_size, cfg.draft_vocab_size or a.vocab_size, cfg.markov_rank, parts.lm_head)
         if cfg.draft_vocab_size is None:
             self.draft_rows = None
             return
@@ -104,6 +108,17 @@ class DraftHead(nn.Module):
         """d2t as absolute ids [V_draft] for reduced vocabularies; None = identity."""
         return self.d2t_ids if self.cfg.draft_vocab_size is not None else None
 
+    def logit_inputs(self, features: torch.Tensor, prev: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Training's (x, w, w_extra) of a draft's logits for soft_ce: (features [R, H], the
+        lm_head weight, None); with the transition bias and prev [R] (each row's previous
+        token), x widened by U[prev] [R, r] and w_extra = W [V_draft, r] (heads/transition.py).
+        prev None: the head's plain logits."""
+        if self.transition is None or prev is None:
+            return features, self.lm_head_weight, None
+        x, w_extra = self.transition.fold(features, prev)
+        return x, self.lm_head_weight, w_extra
+
     packed = None  # the lm_head's exact block code for CPU inference (linear.set_cpu_blas)
 
     def packable_weight(self) -> torch.Tensor:
@@ -124,16 +139,22 @@ class DraftHead(nn.Module):
     # ---- weight init ----------------------------------------------------------------------
     def init_weights(self) -> None:
         """Initialize every trainable weight from the global generator, in named_parameters
-        order (heads.registry.build_head seeds it, so a seed gives the same head)."""
+        order (heads.registry.build_head seeds it, so a seed gives the same head), the
+        transition bias's last: a head with it starts with its plain twin's other weights."""
+        named = sorted(self.named_parameters(), key=lambda kv: kv[0].startswith("transition."))
         with torch.no_grad():
-            for name, p in self.named_parameters():
+            for name, p in named:
                 if p.requires_grad:
                     self.init_parameter(name, p)
 
     def init_parameter(self, name: str, p: nn.Parameter) -> None:
         """The default: norms at 1, biases at 0, everything else normal(0, 0.02); heads
         override it for the parameters they start differently."""
-        if name == "draft_lm_head":  # starts as the target's own rows of its draft vocabulary
+        if name == "transition.prev":  # an embedding of the previous token (heads/transition)
+            p.normal_(0.0, 1.0)
+        elif name == "transition.out":  # zero: the head starts as it would without the bias
+            p.zero_()
+        elif name == "draft_lm_head":  # starts as the target's own rows of its draft vocabulary
             p.copy_(self.frozen.weight[self.d2t_ids])
         elif name.endswith("norm.weight"):
             p.fill_(1.0)

@@ -104,27 +104,32 @@ def block_objective(head, batch: PackedBatch, chunk: int = 1024,
         w_target = w_target.index_select(0, d2t)
     labels = [block_labels(batch, anchors, k) for k in range(1, k_max + 1)]
     weights = None
+    # Row k's logit inputs; rows >= 2 with the transition bias read x_{g+k-1}, the token at
+    # the row's label index (heads/transition.py).
+    inputs = [head.logit_inputs(feats[:, k], batch.input_ids[rows] if k > 1 else None)
+              for k, (rows, _) in enumerate(labels, 1)]
     if cfg.position_weights == "dpace":
-        ce = torch.stack([_row_ce(feats[:, k].detach(), head.lm_head_weight.detach(),
+        ce = torch.stack([_row_ce(x.detach(), w.detach() if e is None else
+                                  torch.cat([w, e.to(w.dtype)], -1).detach(),
                                   y_all.index_select(0, rows), w_target, None,
                                   cfg.distill_temperature, chunk)
-                          for k, (rows, _) in enumerate(labels, 1)], -1)
+                          for (x, w, e), (rows, _) in zip(inputs, labels)], -1)
         weights = dpace_weights(ce, torch.stack([v for _, v in labels], -1), cfg.dpace_alpha)
     stats, chain_match, chain_beta = [], None, None
     for k, (rows, valid) in enumerate(labels, 1):
         row_w = valid.float() if weights is None else weights[:, k - 1]
         n_valid = valid.float().sum().clamp(min=1.0)
-        x, y = feats[:, k], y_all.index_select(0, rows)
+        (x, w, extra), y = inputs[k - 1], y_all.index_select(0, rows)
         if naive:
-            ce = soft_ce_reference(x, head.lm_head_weight, y, w_target, row_w, None,
-                                   cfg.distill_temperature)
+            ce = soft_ce_reference(x, w, y, w_target, row_w, None, cfg.distill_temperature,
+                                   extra)
             with torch.no_grad():
-                _, m, per_row = soft_ce(x.detach(), head.lm_head_weight.detach(), y, w_target,
-                                        valid.float(), None, cfg.distill_temperature, chunk,
-                                        with_rows=True)
+                _, m, per_row = soft_ce(x.detach(), w.detach(), y, w_target, valid.float(), None,
+                                        cfg.distill_temperature, chunk, with_rows=True,
+                                        w_extra=None if extra is None else extra.detach())
         else:
-            ce, m, per_row = soft_ce(x, head.lm_head_weight, y, w_target, row_w, None,
-                                     cfg.distill_temperature, chunk, with_rows=True)
+            ce, m, per_row = soft_ce(x, w, y, w_target, row_w, None, cfg.distill_temperature,
+                                     chunk, with_rows=True, w_extra=extra)
         chain_match, chain_beta, cond = chain_step(per_row, valid.float(), chain_match, chain_beta)
         loss_k = cfg.ce_loss_weight * ce / n_valid
         scale = math.exp(-(k - 1) / cfg.decay_gamma) if weights is None else 1.0

@@ -59,6 +59,8 @@ class HeadConfig:
     position_weights: dflash's per-position loss weights, "decay" (exp(-(k-1)/decay_gamma))
       or "dpace" (D-PACE confidence weights, smoothed by dpace_alpha).
     anchors_per_seq: dflash blocks trained per sequence (random anchors, at most this many).
+    markov_rank: a block drafter's in-block transition bias (DSpark's Markov head, rank r;
+      0 = off): d_k's logits gain a low-rank term read from d_{k-1} (heads/transition.py).
     """
 
     type: str = "mtp"
@@ -79,6 +81,7 @@ class HeadConfig:
     decay_gamma: float = 4.0
     dpace_alpha: float = 0.5
     anchors_per_seq: int = 64
+    markov_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.type not in HEAD_TYPES:
@@ -127,6 +130,15 @@ class HeadConfig:
             raise ValueError(f"head.anchors_per_seq must be >= 1, got {self.anchors_per_seq}")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ValueError(f"head.mask_token_id must be >= 0 or null, got {self.mask_token_id}")
+        block = self.type == "dflash" or self.parallel_drafting
+        if self.markov_rank < 0 or (self.markov_rank and not block):
+            raise ValueError(f"head.markov_rank={self.markov_rank}: must be >= 0, and only a block "
+                             "drafter (head.type=dflash, or eagle3 with parallel_drafting) has "
+                             "the transition bias; a chain step reads the draft before it already")
+        if self.markov_rank and self.num_steps < 2:
+            raise ValueError(f"head.markov_rank={self.markov_rank} biases drafts 2..K, but "
+                             f"head.num_steps={self.num_steps} has no second draft; use "
+                             "head.num_steps >= 2 or head.markov_rank=0")
         if self.type == "dflash" and self.feature_loss_weight > 0:
             raise ValueError("head.feature_loss_weight must be 0 for head.type=dflash (its "
                              "block rows feed no next step)")

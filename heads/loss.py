@@ -42,12 +42,17 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b
 
 
-def _chunk_stats(x, w, y_normed, w_target, t2d, temperature):
-    """Draft log-probs and target probs for one chunk (both [n, V_draft], fp32).
+def _chunk_stats(x, w, y_normed, w_target, t2d, temperature, w_extra=None):
+    """Draft log-probs and target probs for one chunk (both [n, V_draft], fp32). w_extra
+    [V_draft, r]: x's last r columns multiply it (soft_ce).
 
     Every [n, V] temporary is written in place where it can be: at V = 128k each one is
     0.5 GB per 1k rows, and a pass over it costs as much as the elementwise math in it."""
-    z = _mm(x, w.t()).float()
+    if w_extra is None:
+        z = _mm(x, w.t()).float()
+    else:
+        h = w.shape[1]
+        z = _mm(x[:, :h], w.t()).float().add_(_mm(x[:, h:], w_extra.t()).float())
     if temperature != 1.0:
         z.div_(temperature)
     logq = torch.log_softmax(z, dim=-1)
@@ -71,14 +76,18 @@ class ChunkedSoftCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, y_normed, w_target, row_w, t2d, temperature, chunk):
+    def forward(ctx, x, w, w_extra, y_normed, w_target, row_w, t2d, temperature, chunk):
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_e = ctx.needs_input_grad[2]
+        h = w.shape[1]
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         metrics = torch.zeros(3, dtype=torch.float32, device=x.device)
         # Per row: [top-1 match, sum min(p, q)], for the conditional (chain) acceptance.
         rowstats = torch.zeros(x.shape[0], 2, dtype=torch.float32, device=x.device)
         gx = torch.zeros_like(x) if want_x else None
         gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
+        ge = (torch.zeros(w_extra.shape, dtype=torch.float32, device=w.device) if want_e
+              else None)
         # Rows of weight 0 (prompt tokens, positions whose label lies past their sequence)
         # carry no loss and no gradient: logits are formed for the live rows only.
         rows = row_w.nonzero().squeeze(-1)
@@ -86,7 +95,7 @@ class ChunkedSoftCE(torch.autograd.Function):
             idx = rows[s:s + chunk]
             rw = row_w[idx]
             xs = x[idx]
-            logq, p = _chunk_stats(xs, w, y_normed[idx], w_target, t2d, temperature)
+            logq, p = _chunk_stats(xs, w, y_normed[idx], w_target, t2d, temperature, w_extra)
             # Row dot products sum_v p log q without an [n, V] product temporary.
             loss -= (torch.bmm(p.unsqueeze(1), logq.unsqueeze(2)).view(-1) * rw).sum()
             match = (logq.argmax(-1) == p.argmax(-1)).float()
@@ -96,40 +105,53 @@ class ChunkedSoftCE(torch.autograd.Function):
             metrics[1] += beta.sum()
             metrics[2] += idx.numel()
             rowstats.index_copy_(0, idx, torch.stack([match, beta], -1))
-            if want_x or want_w:
+            if want_x or want_w or want_e:
                 # d(-sum p log softmax(z/T))/dz = (q - p) / T
                 g = q.sub_(p).mul_((rw / temperature).unsqueeze(-1))
                 if want_x:
-                    gx.index_copy_(0, idx, _mm(g.to(w.dtype), w).to(x.dtype))
+                    gxs = _mm(g.to(w.dtype), w).to(x.dtype)
+                    if w_extra is not None:
+                        gxs = torch.cat([gxs, _mm(g.to(w_extra.dtype), w_extra).to(x.dtype)], -1)
+                    gx.index_copy_(0, idx, gxs)
                 if want_w:
-                    gw += _mm(g.t(), xs.float())
-        ctx.save_for_backward(gx, gw)
+                    gw += _mm(g.t(), xs[:, :h].float())
+                if want_e:
+                    ge += _mm(g.t(), xs[:, h:].float())
+        ctx.save_for_backward(gx, gw, ge)
         ctx.w_dtype = w.dtype
+        ctx.e_dtype = None if w_extra is None else w_extra.dtype
         ctx.mark_non_differentiable(metrics, rowstats)
         return loss, metrics, rowstats
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_metrics, _grad_rows):
-        gx, gw = ctx.saved_tensors
+        gx, gw, ge = ctx.saved_tensors
         gx = None if gx is None else gx * grad_loss.to(gx.dtype)
         gw = None if gw is None else (gw * grad_loss).to(ctx.w_dtype)
-        return gx, gw, None, None, None, None, None, None
+        ge = None if ge is None else (ge * grad_loss).to(ctx.e_dtype)
+        return gx, gw, ge, None, None, None, None, None, None
 
 
 def soft_ce(x: torch.Tensor, w: torch.Tensor, y_normed: torch.Tensor, w_target: torch.Tensor,
             row_w: torch.Tensor, t2d: torch.Tensor | None = None, temperature: float = 1.0,
-            chunk: int = 1024, with_rows: bool = False):
+            chunk: int = 1024, with_rows: bool = False, w_extra: torch.Tensor | None = None):
     """x [N, H] draft features, w [V_draft, H] draft lm_head, y_normed [N, H] target features
     after the frozen final norm, w_target [V, H] frozen lm_head, row_w [N] per-row weight
     (0 = invalid). Returns (weighted loss sum, metrics [top1 matches, sum min(p,q), rows]),
-    and with_rows: also [N, 2] per-row (top-1 match, sum min(p, q)), zero on invalid rows."""
-    loss, metrics, rows = ChunkedSoftCE.apply(x, w, y_normed, w_target, row_w.float(), t2d,
-                                              temperature, chunk)
+    and with_rows: also [N, 2] per-row (top-1 match, sum min(p, q)), zero on invalid rows.
+    w_extra [V_draft, r]: more weight columns for x's last r columns (x [N, H + r]): the
+    logits are x[:, :H] @ w^T + x[:, H:] @ w_extra^T, and each factor gets its own gradient,
+    so a frozen w stays without one (the transition bias, heads/transition.py)."""
+    loss, metrics, rows = ChunkedSoftCE.apply(x, w, w_extra, y_normed, w_target, row_w.float(),
+                                              t2d, temperature, chunk)
     return (loss, metrics, rows) if with_rows else (loss, metrics)
 
 
-def soft_ce_reference(x, w, y_normed, w_target, row_w, t2d=None, temperature=1.0):
+def soft_ce_reference(x, w, y_normed, w_target, row_w, t2d=None, temperature=1.0,
+                      w_extra=None):
     """The naive full-logits version (tests and the training benchmark's baseline)."""
+    if w_extra is not None:
+        w = torch.cat([w, w_extra.to(w.dtype)], -1)
     logq = torch.log_softmax((x @ w.t()).float() / temperature, dim=-1)
     zp = (y_normed @ w_target.t()).float() / temperature
     if t2d is not None:

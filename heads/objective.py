@@ -42,6 +42,9 @@ class ObjectiveHead(SteppingHead, Protocol):
 
     def feature_target(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def logit_inputs(self, features: torch.Tensor, prev: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+
 
 STATS = 8  # columns of the per-step stats (module docstring)
 
@@ -79,16 +82,19 @@ def head_objective(head: ObjectiveHead, batch: PackedBatch, chunk: int = 1024,
         row_w = valid.float()
         n_valid = row_w.sum().clamp(min=1.0)
         y = y_all.index_select(0, out.index.label_rows)
+        # P-EAGLE's mask steps with the transition bias read the previous step's token,
+        # x_{t+k} (heads/transition.py); every other step its plain logits.
+        x, w, extra = head.logit_inputs(out.features, out.index.tokens if k > 1 else None)
         if naive:
-            ce = soft_ce_reference(out.features, head.lm_head_weight, y, w_target, row_w,
-                                   None, cfg.distill_temperature)
+            ce = soft_ce_reference(x, w, y, w_target, row_w, None, cfg.distill_temperature,
+                                   extra)
             with torch.no_grad():
-                _, m, rows = soft_ce(out.features.detach(), head.lm_head_weight.detach(), y,
-                                     w_target, row_w, None, cfg.distill_temperature, chunk,
-                                     with_rows=True)
+                _, m, rows = soft_ce(x.detach(), w.detach(), y, w_target, row_w, None,
+                                     cfg.distill_temperature, chunk, with_rows=True,
+                                     w_extra=None if extra is None else extra.detach())
         else:
-            ce, m, rows = soft_ce(out.features, head.lm_head_weight, y, w_target, row_w, None,
-                                  cfg.distill_temperature, chunk, with_rows=True)
+            ce, m, rows = soft_ce(x, w, y, w_target, row_w, None, cfg.distill_temperature,
+                                  chunk, with_rows=True, w_extra=extra)
         chain_match, chain_beta, cond = chain_step(rows, row_w, chain_match, chain_beta)
         loss_k = cfg.ce_loss_weight * ce / n_valid
         if cfg.feature_loss_weight > 0:

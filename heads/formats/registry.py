@@ -62,6 +62,10 @@ def export_head(checkpoint: str | Path, fmt: str, out: str | Path, *, verifier: 
         raise ValueError(f"output {out} is the checkpoint itself; export to another directory")
     bundle = read_foreign(checkpoint)
     module = check_format(bundle.cfg.type, fmt)
+    if bundle.cfg.markov_rank:
+        raise ValueError(f"{checkpoint}: head.markov_rank={bundle.cfg.markov_rank} (the in-block "
+                         f"transition bias) has no place in format {fmt!r}; such a head stays "
+                         "in the specheads format (evaluate it with python -m inference_eval)")
     if dtype is not None:
         bundle.state = {k: v.to(dtype) if v.is_floating_point() else v
                         for k, v in bundle.state.items()}

@@ -91,7 +91,7 @@ def test_conditional_expected_tau_on_a_constructed_example(parts, monkeypatch):
     table = {1: ([1, 1, 0, 1], [.5, 1, .2, 1]), 2: ([1, 0, 1], [.4, .5, 1])}
     calls = []
 
-    def fake_soft_ce(x, w, y, wt, row_w, t2d, temperature, chunk, with_rows=False):
+    def fake_soft_ce(x, w, y, wt, row_w, t2d, temperature, chunk, with_rows=False, w_extra=None):
         k = len(calls) + 1
         calls.append(k)
         match, beta = table[k]

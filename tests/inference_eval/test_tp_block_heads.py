@@ -38,6 +38,11 @@ HEADS = {  # case -> (head config, reduced vocabulary)
     "dflash": (dict(type="dflash", num_steps=3, num_layers=2, anchors_per_seq=1000), False),
     "dflash_reduced": (dict(type="dflash", num_steps=3, num_layers=2, anchors_per_seq=1000),
                        True),
+    # the transition bias (heads/transition.py): replicated, applied on the leader
+    "dflash_markov_reduced": (dict(type="dflash", num_steps=3, num_layers=2, anchors_per_seq=1000,
+                                   markov_rank=8), True),
+    "peagle_markov": (dict(type="eagle3", num_steps=3, parallel_drafting=True, markov_rank=8),
+                      False),
 }
 
 

@@ -46,12 +46,14 @@ def write_aux_shards(out: Path, overrides: list[str], seqs: int = 12, seed: int 
     return out
 
 
-@pytest.mark.parametrize("head", ["dflash", "peagle"])
-def test_block_head_trains_and_validates_with_real_tau(common, tmp_path, head):
+@pytest.mark.parametrize("head,rank", [("dflash", 0), ("peagle", 0), ("dflash", 8)])
+def test_block_head_trains_and_validates_with_real_tau(common, tmp_path, head, rank):
+    """rank: head.markov_rank, the in-block transition bias (trained and served too)."""
     shards = write_aux_shards(tmp_path / "shards", [*common, *TOKENIZED])
     out = tmp_path / "out"
     cfg = compose("train", TrainConfig, [
-        *common, *TOKENIZED, f"head={head}", "head.num_steps=3", f"data.shards={shards}",
+        *common, *TOKENIZED, f"head={head}", "head.num_steps=3", f"head.markov_rank={rank}",
+        f"data.shards={shards}",
         f"output_dir={out}", "trainer.max_steps=2", "trainer.eval_every=2",
         "validation.enabled=true", "validation.num_conversations=2", "validation.max_length=96",
         "validation.tau_prompts=2", "validation.tau_max_new_tokens=8", "engine.num_pages=64"])
@@ -65,6 +67,8 @@ def test_block_head_trains_and_validates_with_real_tau(common, tmp_path, head):
     assert v["exp_tau_greedy"] >= 1.0
     trained = load_head(out, load_frozen(cfg.target))
     assert trained.cfg.aux_layers == AUX and trained.drafting == ("block" if head == "dflash" else "parallel")
+    if rank:  # two optimizer steps moved W off its zero start
+        assert trained.cfg.markov_rank == rank and float(trained.transition.out.detach().abs().max()) > 0
 
 
 def test_block_head_needs_aux_shards(common, make_shards, tmp_path):

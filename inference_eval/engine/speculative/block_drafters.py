@@ -4,11 +4,14 @@
 `begin_round` runs the pass and returns d_1's law; the laws of d_2..d_K [L, K-1, V] stay in
 the drafter, and the round's `state` is each request's row of them [L, 1]; `step` s only hands
 out law s + 1 (the engine selects the state's rows of the requests still drafting, as for any
-drafter). The laws do not depend on the tokens drawn before them, so the engine still draws
-d_k from exactly the law q_k it passes to verification, and greedy and sampled verification
-stay lossless; the confidence cut (draft.min_confidence) reads the same laws. The tree engine
+drafter). The pass's laws do not depend on the tokens drawn before them (the transition bias
+below is added once its token is drawn), so the engine still draws d_k from exactly the law
+q_k it passes to verification, and greedy and sampled verification stay lossless; the confidence cut (draft.min_confidence) reads the same laws. The tree engine
 grows a tree over them with `grow`: every node of depth d gets the law of d_{d+1}, so the tree
-is the block's per-position top-k (draft.scheme=tree, its depth <= the block's drafts).
+is the block's per-position top-k (draft.scheme=tree, its depth <= the block's drafts). A head
+with the transition bias (head.markov_rank) adds, to the law of d_{k}, its bias read from the
+token drawn before it (`step`, `grow`): each law is still the one its draft is drawn from and
+verified against, and a tree node's children then depend on the node's own token.
 
 - `ParallelHeadDrafter`: a P-EAGLE head (heads/eagle3.py, parallel_drafting). Its cache and
   refills are `HeadDrafter`'s (the head's index j holds (h_j, x_{j+1})); a round's steps
@@ -35,10 +38,12 @@ from inference_eval.engine.speculative.drafters import Drafter, HeadDrafter, _He
 class _PrecomputedLaws:
     """The verbs of a drafter whose round is one pass: `_round_laws` computes every law of the
     round; the round's state is each request's row [L, 1] of them (the engine selects state
-    rows, and a tree's nodes carry their request's row), and a law does not depend on the
-    tokens drawn before it: a tree node of depth d gets law d + 1 whatever its parent, so a
-    tree over a block is the per-position top-k (children of every node at depth d: the top-k
-    of q_{d+1}), and `topk` tree verification stays lossless (its children are deterministic)."""
+    rows, and a tree's nodes carry their request's row), and a law depends on the tokens
+    drawn before it only through the transition bias, if the head has one: without it a tree
+    node of depth d gets law d + 1 whatever its parent, so a tree over a block is the
+    per-position top-k (children of every node at depth d: the top-k of q_{d+1}); with it, the
+    top-k of q_{d+1} after the node's own token. Either way `topk` tree verification stays
+    lossless (its children are deterministic)."""
 
     drafts_trees = True
     _laws: torch.Tensor | None = None  # [L, K-1, V]: d_2..d_K of the round's requests
@@ -52,13 +57,28 @@ class _PrecomputedLaws:
         return torch.arange(len(reqs), device=first.device).unsqueeze(1), first
 
     def step(self, reqs, n, s, tokens, state):
-        """state [L, 1]: the requests' rows of the round -> (state, the law of d_{s+1} [L, V])."""
-        return state, self._laws[state[:, 0], s - 1]
+        """state [L, 1]: the requests' rows of the round, tokens [L] = d_s -> (state, the law
+        of d_{s+1} [L, V])."""
+        return state, self._law(state[:, 0], s - 1, tokens)
 
     def grow(self, tokens, state, plan, k):
-        """Tree nodes of depth k - 1, state [M, 1] their requests' rows -> (state, the law of
-        their children [M, V]); nothing runs, so the level's plan is never built."""
-        return state, self._laws[state[:, 0], k - 2]
+        """Tree nodes of depth k - 1 (tokens [M]), state [M, 1] their requests' rows ->
+        (state, the law of their children [M, V]); only the transition bias, if any, runs, so
+        the level's plan is never built."""
+        return state, self._law(state[:, 0], k - 2, tokens)
+
+    def _law(self, rows: torch.Tensor, j: int, prev: torch.Tensor) -> torch.Tensor:
+        """The law of d_{j+2} for the round rows `rows` [M] after the tokens prev [M]: the
+        pass's, plus the head's transition bias from prev when it has one (heads/transition:
+        the only law of a round that depends on a drawn token, computed once it is drawn)."""
+        law, bias = self._laws[rows, j], self.head.transition  # law: a copy [M, V]
+        if bias is None:
+            return law
+        b = bias(prev)  # [M, V_draft]
+        if self.d2t is None:
+            return law.add_(b)
+        # into the draft vocabulary's columns only, row by row (the scatter _to_target uses)
+        return law.scatter_add_(1, self.d2t.expand(b.shape[0], -1), b)
 
 
 class ParallelHeadDrafter(_PrecomputedLaws, HeadDrafter):

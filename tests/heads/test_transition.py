@@ -1,0 +1,174 @@
+"""The in-block transition bias of block drafters (head.markov_rank, heads/transition.py):
+training's folded logits against a plain per-row loop that reads each row's previous data
+token (DFlash rows and P-EAGLE steps), a head that starts as the same head without the bias,
+gradients into both factors, checkpoints, and what is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heads.batch import PackedBatch
+from heads.block_objective import block_labels, sample_anchors
+from heads.checkpoint import load_head, save_head
+from heads.config import HeadConfig
+from heads.formats import export_head
+from heads.registry import build_head
+from heads.rollout import rollout
+
+AUX = [0, 1, 2]
+KINDS = {"dflash": dict(type="dflash", num_steps=3, num_layers=1),
+         "peagle": dict(type="eagle3", num_steps=3, parallel_drafting=True)}
+
+
+def _batch(lens=(11, 9), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lens)
+    return PackedBatch(torch.randint(0, 300, (n,), generator=g), torch.randn(n, 64, generator=g),
+                       torch.rand(n, generator=g) > 0.2, list(lens), torch.randn(n, 3, 64, generator=g))
+
+
+def _head(parts, kind, rank=4, seed=1, **kw):
+    head = build_head(HeadConfig(**KINDS[kind], aux_layers=AUX, markov_rank=rank, **kw), parts,
+                      seed=seed)
+    with torch.no_grad():  # a trained-looking bias: W away from its zero start
+        if head.transition is not None:
+            head.transition.out.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(seed))
+    return head.eval()
+
+
+def _soft_ce(logits, y, head):
+    """Σ over rows of CE(target law, softmax(logits)) over the head's vocabulary."""
+    w_t = head.frozen.weight
+    d2t = head.draft_to_target()
+    if d2t is not None:
+        w_t = w_t[d2t]
+    p = torch.softmax((y @ w_t.t()).float(), -1)
+    return -(p * torch.log_softmax(logits.float(), -1)).sum(-1)
+
+
+def _loop_losses(head, batch) -> list[float]:
+    """Each position's mean CE computed row by row: logits = lm_head(features) plus, for
+    rows/steps k >= 2, U[prev] @ W^T with prev the data token just before the predicted one."""
+    y_all = head.frozen.norm(batch.hidden)
+    out = []
+    if head.drafting == "block":
+        anchors = sample_anchors(batch, None)
+        feats = head.train_blocks(batch.aux, batch.seq_lens, batch.input_ids, anchors)
+        for k in range(1, 4):
+            rows, valid = block_labels(batch, anchors, k)
+            ce = []
+            for j in valid.nonzero().flatten().tolist():
+                g = int(anchors[j])
+                z = head.logits(feats[j, k:k + 1]).float()
+                if k > 1:  # x_{g+k-1}: the token before the predicted x_{g+k}
+                    z = z + head.transition(batch.input_ids[g + k - 1:g + k])
+                ce.append(_soft_ce(z, y_all[g + k - 1:g + k], head))
+            out.append(float(torch.cat(ce).mean()))
+        return out
+    for k, o in enumerate(rollout(head, batch), 1):
+        ce = []
+        for t in o.index.valid.nonzero().flatten().tolist():
+            z = head.logits(o.features[t:t + 1]).float()
+            if k > 1:  # x_{t+k}: the token before the predicted x_{t+k+1}
+                z = z + head.transition(batch.input_ids[t + k:t + k + 1])
+            ce.append(_soft_ce(z, y_all[t + k:t + k + 1], head))
+        out.append(float(torch.cat(ce).mean()))
+    return out
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+@pytest.mark.parametrize("kind", ["dflash", "peagle"])
+def test_folded_objective_equals_a_per_row_loop(parts, kind, reduced):
+    vocab = dict(draft_vocab_size=120) if reduced else {}
+    head = build_head(HeadConfig(**KINDS[kind], aux_layers=AUX, markov_rank=4, **vocab), parts,
+                      draft_vocab=torch.arange(0, 240, 2) if reduced else None, seed=1).eval()
+    with torch.no_grad():
+        head.transition.out.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(1))
+        batch = _batch()
+        _, stats = head(batch)
+        want = _loop_losses(head, batch)
+    assert stats[:, 0].tolist() == pytest.approx(want, rel=1e-4)
+    # the bias is really in it: the same head without it gives other losses at k >= 2
+    with torch.no_grad():
+        head.transition.out.zero_()
+        _, plain = head(batch)
+    assert plain[0, 0] == pytest.approx(float(stats[0, 0]), rel=1e-6)
+    assert all(abs(float(plain[k, 0] - stats[k, 0])) > 1e-3 for k in (1, 2))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "peagle"])
+def test_a_new_head_is_the_head_without_the_bias(parts, kind):
+    """W starts at zero and the bias draws last: a freshly built head has its plain twin's
+    other weights and objective."""
+    head = build_head(HeadConfig(**KINDS[kind], aux_layers=AUX, markov_rank=4), parts, seed=3).eval()
+    plain = build_head(HeadConfig(**KINDS[kind], aux_layers=AUX), parts, seed=3).eval()
+    mine = {k: v for k, v in head.state_dict().items() if not k.startswith("transition.")}
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in mine.items())  # same draws
+    assert float(head.transition.out.detach().abs().sum()) == 0.0
+    assert float(head.transition.prev.detach().std()) == pytest.approx(1.0, abs=0.1)
+    batch = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(head(batch)[1], plain(batch)[1])
+
+
+@pytest.mark.parametrize("kind", ["dflash", "peagle"])
+def test_gradients_reach_both_factors_and_only_the_rows_read(parts, kind):
+    head = _head(parts, kind).train()
+    batch = _batch()
+    torch.manual_seed(0)
+    loss, _ = head(batch, naive=False)
+    loss.backward()
+    g_out, g_prev = head.transition.out.grad, head.transition.prev.grad
+    assert g_out is not None and float(g_out.abs().sum()) > 0
+    touched = (g_prev.abs().sum(-1) > 0).nonzero().flatten()
+    assert touched.numel() > 0 and set(touched.tolist()) <= set(batch.input_ids.tolist())
+    # the chunked objective's gradient is the naive full-logits one's
+    head.zero_grad()
+    torch.manual_seed(0)
+    head(batch, naive=True)[0].backward()
+    torch.testing.assert_close(head.transition.out.grad, g_out, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(head.transition.prev.grad, g_prev, rtol=1e-4, atol=1e-6)
+
+
+def test_checkpoint_round_trip_keeps_the_bias(parts, tmp_path):
+    head = _head(parts, "dflash")
+    save_head(head, tmp_path / "d")
+    back = load_head(tmp_path / "d", parts)
+    assert back.cfg.markov_rank == 4
+    torch.testing.assert_close(back.transition.out, head.transition.out)
+    prev = torch.tensor([3, 250, 7])
+    torch.testing.assert_close(back.transition(prev), head.transition(prev))
+
+
+def test_refusals(parts, tmp_path):
+    for bad in (dict(type="eagle3"), dict(type="mtp"), dict(type="medusa")):
+        with pytest.raises(ValueError, match="head.markov_rank=4"):
+            HeadConfig(**bad, markov_rank=4)
+    with pytest.raises(ValueError, match="head.markov_rank=-1"):
+        HeadConfig(type="dflash", markov_rank=-1)
+    with pytest.raises(ValueError, match="no second draft"):
+        HeadConfig(type="dflash", num_steps=1, markov_rank=4)
+    save_head(_head(parts, "peagle"), tmp_path / "p")
+    with pytest.raises(ValueError, match="transition bias.*speculators"):
+        export_head(tmp_path / "p", "speculators", tmp_path / "out")
+
+
+def test_soft_ce_extra_columns_get_their_own_gradient():
+    """w_extra: logits x[:, :H] @ w^T + x[:, H:] @ w_extra^T, as the full-logits reference of
+    the concatenated weight; a frozen w gets no gradient, w_extra and x theirs."""
+    from heads.loss import soft_ce, soft_ce_reference
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 12, generator=g, requires_grad=True)
+    y, w, wt = torch.randn(9, 8, generator=g), torch.randn(30, 10, generator=g), torch.randn(30, 8, generator=g)
+    e = torch.randn(30, 2, generator=g, requires_grad=True)
+    rw = (torch.rand(9, generator=g) > 0.3).float()
+    loss, _ = soft_ce(x, w, y, wt, rw, None, 1.0, 4, w_extra=e)
+    loss.backward()
+    gx, ge, x.grad, e.grad = x.grad, e.grad, None, None
+    want = soft_ce_reference(x, w, y, wt, rw, w_extra=e)
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ge, e.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx, x.grad, rtol=1e-5, atol=1e-6)
+    assert w.grad is None
