@@ -24,7 +24,7 @@ import math
 import torch
 
 from heads.batch import PackedBatch
-from heads.loss import soft_ce, soft_ce_reference
+from heads.loss import step_soft_ce
 from heads.objective import chain_step
 
 
@@ -120,16 +120,8 @@ def block_objective(head, batch: PackedBatch, chunk: int = 1024,
         row_w = valid.float() if weights is None else weights[:, k - 1]
         n_valid = valid.float().sum().clamp(min=1.0)
         (x, w, extra), y = inputs[k - 1], y_all.index_select(0, rows)
-        if naive:
-            ce = soft_ce_reference(x, w, y, w_target, row_w, None, cfg.distill_temperature,
-                                   extra)
-            with torch.no_grad():
-                _, m, per_row = soft_ce(x.detach(), w.detach(), y, w_target, valid.float(), None,
-                                        cfg.distill_temperature, chunk, with_rows=True,
-                                        w_extra=None if extra is None else extra.detach())
-        else:
-            ce, m, per_row = soft_ce(x, w, y, w_target, row_w, None, cfg.distill_temperature,
-                                     chunk, with_rows=True, w_extra=extra)
+        ce, m, per_row = step_soft_ce(x, w, y, w_target, row_w, cfg.distill_temperature, chunk,
+                                      naive, extra, stat_w=valid.float())
         chain_match, chain_beta, cond = chain_step(per_row, valid.float(), chain_match, chain_beta)
         loss_k = cfg.ce_loss_weight * ce / n_valid
         scale = math.exp(-(k - 1) / cfg.decay_gamma) if weights is None else 1.0

@@ -147,6 +147,23 @@ def soft_ce(x: torch.Tensor, w: torch.Tensor, y_normed: torch.Tensor, w_target: 
     return (loss, metrics, rows) if with_rows else (loss, metrics)
 
 
+def step_soft_ce(x, w, y_normed, w_target, row_w, temperature: float, chunk: int,
+                 naive: bool = False, w_extra=None, stat_w=None):
+    """One draft step of a training objective -> soft_ce(..., with_rows=True)'s (loss sum,
+    metrics, per-row stats). naive: the loss (and its gradient) from soft_ce_reference, the
+    stats from a chunked pass without gradient, weighted by stat_w (default row_w)."""
+    if not naive:
+        return soft_ce(x, w, y_normed, w_target, row_w, None, temperature, chunk,
+                       with_rows=True, w_extra=w_extra)
+    loss = soft_ce_reference(x, w, y_normed, w_target, row_w, None, temperature, w_extra)
+    with torch.no_grad():
+        _, metrics, rows = soft_ce(x.detach(), w.detach(), y_normed, w_target,
+                                   row_w if stat_w is None else stat_w, None, temperature, chunk,
+                                   with_rows=True,
+                                   w_extra=None if w_extra is None else w_extra.detach())
+    return loss, metrics, rows
+
+
 def soft_ce_reference(x, w, y_normed, w_target, row_w, t2d=None, temperature=1.0,
                       w_extra=None):
     """The naive full-logits version (tests and the training benchmark's baseline)."""

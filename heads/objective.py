@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from heads.batch import PackedBatch
-from heads.loss import soft_ce, soft_ce_reference
+from heads.loss import step_soft_ce
 from heads.rollout import SteppingHead, rollout
 
 
@@ -85,16 +85,8 @@ def head_objective(head: ObjectiveHead, batch: PackedBatch, chunk: int = 1024,
         # P-EAGLE's mask steps with the transition bias read the previous step's token,
         # x_{t+k} (heads/transition.py); every other step its plain logits.
         x, w, extra = head.logit_inputs(out.features, out.index.tokens if k > 1 else None)
-        if naive:
-            ce = soft_ce_reference(x, w, y, w_target, row_w, None, cfg.distill_temperature,
-                                   extra)
-            with torch.no_grad():
-                _, m, rows = soft_ce(x.detach(), w.detach(), y, w_target, row_w, None,
-                                     cfg.distill_temperature, chunk, with_rows=True,
-                                     w_extra=None if extra is None else extra.detach())
-        else:
-            ce, m, rows = soft_ce(x, w, y, w_target, row_w, None, cfg.distill_temperature,
-                                  chunk, with_rows=True, w_extra=extra)
+        ce, m, rows = step_soft_ce(x, w, y, w_target, row_w, cfg.distill_temperature, chunk,
+                                   naive, extra)
         chain_match, chain_beta, cond = chain_step(rows, row_w, chain_match, chain_beta)
         loss_k = cfg.ce_loss_weight * ce / n_valid
         if cfg.feature_loss_weight > 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import heads.loss as loss
 import heads.objective as objective
 from heads.batch import PackedBatch
 from heads.checkpoint import load_head, save_head
@@ -102,7 +103,7 @@ def test_conditional_expected_tau_on_a_constructed_example(parts, monkeypatch):
         m = torch.stack([(rows[:, 0] * row_w).sum(), (rows[:, 1] * row_w).sum(), row_w.sum()])
         return (x * 0).sum(), m, rows
 
-    monkeypatch.setattr(objective, "soft_ce", fake_soft_ce)
+    monkeypatch.setattr(loss, "soft_ce", fake_soft_ce)  # what step_soft_ce calls
     head = build_head(HeadConfig(type="mtp", num_steps=2), parts)
     b = PackedBatch(torch.arange(6), torch.randn(6, 64), torch.ones(6, dtype=torch.bool), [6])
     _, stats = objective.head_objective(head, b)

@@ -6,7 +6,8 @@ the drafter, and the round's `state` is each request's row of them [L, 1]; `step
 out law s + 1 (the engine selects the state's rows of the requests still drafting, as for any
 drafter). The pass's laws do not depend on the tokens drawn before them (the transition bias
 below is added once its token is drawn), so the engine still draws d_k from exactly the law
-q_k it passes to verification, and greedy and sampled verification stay lossless; the confidence cut (draft.min_confidence) reads the same laws. The tree engine
+q_k it passes to verification, and greedy and sampled verification stay lossless; the
+confidence cut (draft.min_confidence) reads the same laws. The tree engine
 grows a tree over them with `grow`: every node of depth d gets the law of d_{d+1}, so the tree
 is the block's per-position top-k (draft.scheme=tree, its depth <= the block's drafts). A head
 with the transition bias (head.markov_rank) adds, to the law of d_{k}, its bias read from the
