@@ -62,15 +62,17 @@ class DraftHead(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.draft_lm_head = None  # EAGLE-3's own trained rows of a reduced vocabulary
+        if cfg.draft_vocab_size is not None and (draft_vocab is None
+                                                 or draft_vocab.numel() != cfg.draft_vocab_size):
+            raise ValueError(f"head.draft_vocab_size={cfg.draft_vocab_size} needs its token "
+                             "list (the draft vocabulary's target ids, heads.vocab.build_draft_vocab)")
         # A block drafter's in-block bias on d_k from d_{k-1} (heads/transition.py), or None.
         self.transition = None if not cfg.markov_rank else TransitionBias(
-            a.vocab_size, cfg.draft_vocab_size or a.vocab_size, cfg.markov_rank, parts.lm_head)
+            a.vocab_size, None if cfg.draft_vocab_size is None else draft_vocab,
+            cfg.markov_rank, parts.lm_head)
         if cfg.draft_vocab_size is None:
             self.draft_rows = None
             return
-        if draft_vocab is None or draft_vocab.numel() != cfg.draft_vocab_size:
-            raise ValueError(f"head.draft_vocab_size={cfg.draft_vocab_size} needs its token "
-                             "list (the draft vocabulary's target ids, heads.vocab.build_draft_vocab)")
         self.register_buffer("d2t_ids", draft_vocab.long(), persistent=True)
         if self.trains_draft_lm_head:
             self.draft_lm_head = nn.Parameter(parts.lm_head.new_empty((draft_vocab.numel(),

@@ -5,7 +5,13 @@ bias on the logits of d_k, read from the token drawn just before it, gives the b
 dependency back at the cost of one [r] x [r, V_draft] product per draft:
 
     logits(d_k) = lm_head(features_k) + U[d_{k-1}] @ W^T      k >= 2
-    U [V, r]: one row per target token (d_{k-1} is any target token), W [V_draft, r]
+    U [V_draft, r]: one row per draft token, W [V_draft, r]
+
+U needs no row outside the draft vocabulary: in the engine d_{k-1} is a draft, always one of
+its tokens; in training a previous data token outside it gets no bias (a draft after it is
+never reached, since no draft can equal that token). With a reduced vocabulary this keeps U
+V / V_draft times smaller than a table over the target's (6x on SmolLM2 at 8192 tokens), which
+is most of what the bias costs a training step.
 
 d_1 keeps the pass's own law (its previous token, the last verified one, is the block's
 anchor or the chain step's input already). W starts at zero, so a head starts as the same head
@@ -26,19 +32,49 @@ from torch import nn
 
 
 class TransitionBias(nn.Module):
-    def __init__(self, vocab_size: int, draft_vocab: int, rank: int, like: torch.Tensor) -> None:
+    def __init__(self, vocab_size: int, draft_vocab: torch.Tensor | None, rank: int,
+                 like: torch.Tensor) -> None:
+        """draft_vocab: the reduced vocabulary's target ids [V_draft], or None (all V)."""
         super().__init__()
+        rows = vocab_size if draft_vocab is None else draft_vocab.numel()
         # Initialized by DraftHead.init_parameter: U unit normal, W zero.
-        self.prev = nn.Parameter(like.new_empty(vocab_size, rank))  # U
-        self.out = nn.Parameter(like.new_empty(draft_vocab, rank))  # W
+        self.prev = nn.Parameter(like.new_empty(rows, rank))  # U
+        self.out = nn.Parameter(like.new_empty(rows, rank))  # W
+        self.vocab_size = vocab_size
+        if draft_vocab is None:
+            self.row_of = None
+        else:  # target id -> U's row, -1 outside the draft vocabulary; [V]
+            row_of = torch.full((vocab_size,), -1, dtype=torch.long, device=like.device)
+            row_of[draft_vocab.long()] = torch.arange(rows, device=like.device)
+            self.register_buffer("row_of", row_of, persistent=False)
+            self.register_buffer("ids", draft_vocab.long().to(like.device), persistent=False)
+
+    def embed(self, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """prev_tokens [R] target ids -> U's rows [R, r], zero for a token outside the draft
+        vocabulary."""
+        if self.row_of is None:
+            return self.prev[prev_tokens]
+        idx = self.row_of[prev_tokens]
+        inside = (idx >= 0).unsqueeze(-1).to(self.prev.dtype)
+        return self.prev[idx.clamp_min(0)] * inside
 
     def forward(self, prev_tokens: torch.Tensor) -> torch.Tensor:
         """prev_tokens [R] target ids -> the bias [R, V_draft] fp32 on the logits of the next draft."""
-        return (self.prev[prev_tokens] @ self.out.t()).float()
+        return (self.embed(prev_tokens) @ self.out.t()).float()
 
     def fold(self, features: torch.Tensor, prev_tokens: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """features [R, H], prev_tokens [R] -> (x [R, H + r], W [V_draft, r]): the biased
         logits are x[:, :H] @ lm_head^T + x[:, H:] @ W^T (soft_ce's w_extra), each weight
         with its own gradient, so a frozen lm_head stays without one."""
-        return torch.cat([features, self.prev[prev_tokens].to(features.dtype)], -1), self.out
+        return torch.cat([features, self.embed(prev_tokens).to(features.dtype)], -1), self.out
+
+    def _load_from_state_dict(self, state, prefix, *args, **kwargs):
+        # Heads saved before U was cut to the draft vocabulary hold it over all V target ids;
+        # the engine only ever read its draft tokens' rows, so those rows are the same head.
+        key = prefix + "prev"
+        u = state.get(key)
+        if (self.row_of is not None and u is not None and u.dim() == 2
+                and u.shape[0] == self.vocab_size != self.prev.shape[0]):
+            state[key] = u[self.ids]
+        super()._load_from_state_dict(state, prefix, *args, **kwargs)

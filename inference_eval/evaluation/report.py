@@ -15,7 +15,10 @@ report.json (format_version 1):
               host_syncs_per_round (chain engines: device-to-host reads per decode round),
               lookup_share (lookup drafting: share of decode rounds drafted by lookup),
               lossless_check {compared, mismatched, mismatches} (null unless greedy),
-              by_category {category: summary}, errors [{id, turn, error}]
+              by_category {category: summary}, errors [{id, turn, error}],
+              tau_ci95 [lo, hi] (τ's bootstrap interval over the prompts), and for each
+              draft run after the primary tau_vs_primary {diff, ci, prompts} (its τ less
+              the primary's, with the paired bootstrap interval: metrics.tau_difference)
     primary:  name of the run whose keys are repeated at the top level: the first draft run,
               or the baseline when no draft ran, so report.json carries every key of
               docs/evaluation.md at its top level whatever the runs were.
@@ -34,6 +37,8 @@ from inference_eval.evaluation.metrics import (
     lossless_check,
     position_counts,
     summarize,
+    tau_difference,
+    tau_interval,
 )
 
 FORMAT_VERSION = 1
@@ -121,6 +126,7 @@ def run_summary(run: RunResult, baseline: RunResult, greedy: bool) -> dict[str, 
                                  if run.counters.get("rounds") else None),
         "lookup_share": _lookup_share(run, s),
         "lossless_check": lossless,
+        "tau_ci95": tau_interval(run.outputs),
         "by_category": by_category(run.outputs, k),
         "errors": [{"id": o.prompt_id, "turn": o.turn, "error": o.error}
                    for o in run.outputs if not o.ok],
@@ -133,6 +139,8 @@ def build_report(runs: Sequence[RunResult], settings: dict[str, Any]) -> dict[st
         raise ValueError("build_report: runs[0] must be the autoregressive baseline")
     greedy = settings.get("sampling", {}).get("temperature", 0.0) == 0.0
     entries = [run_summary(r, runs[0], greedy) for r in runs]
+    for run, entry in zip(runs[2:], entries[2:]):  # every draft run against the first one
+        entry["tau_vs_primary"] = tau_difference(run.outputs, runs[1].outputs)
     primary = entries[1] if len(entries) > 1 else entries[0]
     top = {k: v for k, v in primary.items() if k not in ("name", "draft", "errors")}
     return {"format_version": FORMAT_VERSION, **top, "primary": primary["name"],
@@ -183,6 +191,14 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
               for r in rows), ""]
 
 
+def _interval(ci: list[float] | None) -> str:
+    return "-" if not ci else f"{ci[0]:.3f}-{ci[1]:.3f}"
+
+
+def _vs(d: dict[str, Any] | None) -> str:
+    return "-" if not d else f"{d['diff']:+.3f} ({d['ci'][0]:+.3f}, {d['ci'][1]:+.3f})"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     runs, st = report["runs"], report["settings"]
     k = max(len(r["per_position_accept_rate"]) for r in runs)
@@ -193,13 +209,15 @@ def render_markdown(report: dict[str, Any]) -> str:
     rows = []
     for r in runs:
         lc = r["lossless_check"]
-        rows.append([r["name"], r["scheme"], r["mean_accept_len"], r.get("tokens_per_target_pass"),
+        rows.append([r["name"], r["scheme"], r["mean_accept_len"], _interval(r.get("tau_ci95")),
+                     _vs(r.get("tau_vs_primary")), r.get("tokens_per_target_pass"),
                      r["tokens_per_s"], r["speedup"], r.get("best_speedup"),
                      r.get("decode_speedup"),
                      "-" if lc is None else f"{lc['mismatched']}/{lc['compared']}",
                      r["generated_tokens"], r["target_steps"], r["num_errors"],
                      *(r["per_position_accept_rate"] + [None] * k)[:k]])
-    lines += _table(["run", "scheme", "τ (rounds)", "tokens/target pass", "tok/s", "speedup",
+    lines += _table(["run", "scheme", "τ (rounds)", "τ 95% CI", f"τ - {report['primary']} (95% CI)",
+                     "tokens/target pass", "tok/s", "speedup",
                      "best speedup", "decode speedup", "lossless mismatched/compared", "tokens",
                      "target steps", "errors", *(f"α_{i}" for i in range(1, k + 1))], rows)
     timed = [r for r in runs if r.get("time_split_s")]

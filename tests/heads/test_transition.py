@@ -46,6 +46,18 @@ def _soft_ce(logits, y, head):
     return -(p * torch.log_softmax(logits.float(), -1)).sum(-1)
 
 
+def _bias(head, tok: torch.Tensor) -> torch.Tensor:
+    """U[tok's row] @ W^T by a plain search of the draft vocabulary: tok [1] -> [1, V_draft],
+    zero when tok is not one of its tokens."""
+    t, d2t = head.transition, head.draft_to_target()
+    if d2t is None:
+        u = t.prev[tok]
+    else:
+        hit = (d2t == tok).nonzero().flatten()
+        u = t.prev[hit] if hit.numel() else t.prev.new_zeros(1, t.prev.shape[1])
+    return (u @ t.out.t()).float()
+
+
 def _loop_losses(head, batch) -> list[float]:
     """Each position's mean CE computed row by row: logits = lm_head(features) plus, for
     rows/steps k >= 2, U[prev] @ W^T with prev the data token just before the predicted one."""
@@ -61,7 +73,7 @@ def _loop_losses(head, batch) -> list[float]:
                 g = int(anchors[j])
                 z = head.logits(feats[j, k:k + 1]).float()
                 if k > 1:  # x_{g+k-1}: the token before the predicted x_{g+k}
-                    z = z + head.transition(batch.input_ids[g + k - 1:g + k])
+                    z = z + _bias(head, batch.input_ids[g + k - 1:g + k])
                 ce.append(_soft_ce(z, y_all[g + k - 1:g + k], head))
             out.append(float(torch.cat(ce).mean()))
         return out
@@ -70,7 +82,7 @@ def _loop_losses(head, batch) -> list[float]:
         for t in o.index.valid.nonzero().flatten().tolist():
             z = head.logits(o.features[t:t + 1]).float()
             if k > 1:  # x_{t+k}: the token before the predicted x_{t+k+1}
-                z = z + head.transition(batch.input_ids[t + k:t + k + 1])
+                z = z + _bias(head, batch.input_ids[t + k:t + k + 1])
             ce.append(_soft_ce(z, y_all[t + k:t + k + 1], head))
         out.append(float(torch.cat(ce).mean()))
     return out
@@ -138,6 +150,53 @@ def test_checkpoint_round_trip_keeps_the_bias(parts, tmp_path):
     torch.testing.assert_close(back.transition.out, head.transition.out)
     prev = torch.tensor([3, 250, 7])
     torch.testing.assert_close(back.transition(prev), head.transition(prev))
+
+
+def _reduced(parts, kind, seed=1):
+    head = build_head(HeadConfig(**KINDS[kind], aux_layers=AUX, markov_rank=4, draft_vocab_size=120),
+                      parts, draft_vocab=torch.arange(0, 240, 2), seed=seed).eval()
+    with torch.no_grad():
+        head.transition.out.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(seed))
+    return head
+
+
+@pytest.mark.parametrize("kind", ["dflash", "peagle"])
+def test_a_reduced_vocabulary_keeps_u_to_its_tokens(parts, kind):
+    """U has a row per draft token only; a previous token outside the draft vocabulary gets
+    no bias, and training never touches a row for it."""
+    head = _reduced(parts, kind)
+    assert tuple(head.transition.prev.shape) == (120, 4)
+    with torch.no_grad():
+        outside = torch.tensor([1, 241, 299])  # odd, or past the draft tokens
+        assert float(head.transition(outside).abs().sum()) == 0.0
+        inside = torch.tensor([0, 2, 238])
+        assert float(head.transition(inside).abs().min(-1).values.sum()) > 0.0
+    head.train()
+    torch.manual_seed(0)
+    head(_batch())[0].backward()
+    touched = (head.transition.prev.grad.abs().sum(-1) > 0).nonzero().flatten()
+    assert touched.numel() > 0
+    read = set((torch.arange(0, 240, 2)[touched]).tolist())
+    assert read <= set(_batch().input_ids.tolist())
+
+
+def test_a_head_saved_with_u_over_all_target_tokens_loads_as_the_same_drafter(parts, tmp_path):
+    """Heads saved before U was cut to the draft vocabulary stored it [V, r]; its draft
+    tokens' rows are the same bias."""
+    from safetensors.torch import load_file, save_file
+
+    head = _reduced(parts, "dflash")
+    save_head(head, tmp_path / "d")
+    file = tmp_path / "d" / "model.safetensors"
+    state = load_file(str(file))
+    full = torch.randn(parts.arch.vocab_size, 4)  # rows outside the draft vocabulary: unused
+    full[torch.arange(0, 240, 2)] = state["transition.prev"]
+    state["transition.prev"] = full
+    save_file(state, str(file), metadata={"format": "specheads-head-v1"})
+    back = load_head(tmp_path / "d", parts)
+    prev = torch.tensor([0, 4, 238, 7])
+    torch.testing.assert_close(back.transition(prev), head.transition(prev))
+    torch.testing.assert_close(back.transition.prev, head.transition.prev)
 
 
 def test_refusals(parts, tmp_path):

@@ -151,3 +151,70 @@ def test_from_result_keeps_engine_errors_and_good_meta():
                            "accepted": [0, 1]}, error=None, finish_reason="stop", text="x")
     out = TurnOutput.from_result("p", "c", 1, good)
     assert out.ok and out.target_steps == 2 and out.turn == 1
+
+
+# ---- how sure a τ is: bootstrap over prompts ---------------------------------------------
+def _prompts(accepts: list[list[int]], k: int = 3, tag: str = "p") -> list[TurnOutput]:
+    """One output per prompt: a prefill, then rounds proposing k drafts and accepting the
+    listed counts."""
+    return [_out([(0, 0)] + [(k, a) for a in acc], pid=f"{tag}{i}", prefills=1)
+            for i, acc in enumerate(accepts)]
+
+
+def _loop_taus(runs, reps, seed):
+    """τ of each run per replicate by a plain loop over the drawn prompt indices."""
+    import numpy as np
+
+    ids = sorted({o.prompt_id for o in runs[0]})
+    draws = np.random.default_rng(seed).integers(0, len(ids), (reps, len(ids)))
+    out = []
+    for d in draws:
+        row = []
+        for run in runs:
+            by_id = {o.prompt_id: o for o in run}
+            picked = [by_id[ids[i]] for i in d]
+            num = sum(len(o.token_ids) - o.prefill_steps for o in picked)
+            den = sum(o.target_steps - o.prefill_steps for o in picked)
+            row.append(num / den)
+        out.append(row)
+    return out
+
+
+def test_tau_interval_and_difference_against_a_replicate_loop():
+    import numpy as np
+    from inference_eval.evaluation.metrics import tau_difference, tau_interval
+
+    rng = random.Random(5)
+    a = _prompts([[rng.randint(0, 3) for _ in range(rng.randint(2, 9))] for _ in range(15)])
+    b = _prompts([[max(0, x - rng.randint(0, 1)) for x in acc]
+                  for acc in ([int(s) for s in (o.accepted[1:])] for o in a)])
+    loop = np.array(_loop_taus([a, b], 300, 4))
+    lo, hi = tau_interval(a, reps=300, seed=4)
+    assert [lo, hi] == pytest.approx(np.quantile(loop[:, 0], [0.025, 0.975]).tolist())
+    assert lo < mean_accept_len(a) < hi
+    d = tau_difference(a, b, reps=300, seed=4)
+    assert d["prompts"] == 15
+    assert d["diff"] == pytest.approx(mean_accept_len(a) - mean_accept_len(b))
+    assert d["ci"] == pytest.approx(np.quantile(loop[:, 0] - loop[:, 1], [0.025, 0.975]).tolist())
+
+
+def test_a_paired_difference_separates_what_two_intervals_do_not():
+    """Prompts of very different τ, and a run ahead of the other by one accepted draft in
+    every fifth round of every prompt: the two runs' own intervals overlap, the paired
+    difference's interval lies above 0; the same run against itself differs by exactly 0."""
+    from inference_eval.evaluation.metrics import tau_difference, tau_interval
+
+    easy = [[3] * 10, [0] * 10, [2] * 10, [1] * 10] * 5
+    better = [[min(3, x + (j % 5 == 0)) for j, x in enumerate(acc)] for acc in easy]
+    a, b = _prompts(better), _prompts(easy)
+    ia, ib = tau_interval(a), tau_interval(b)
+    assert ia[0] < ib[1]  # overlapping intervals
+    d = tau_difference(a, b)
+    assert 0 < d["ci"][0] <= d["diff"] <= d["ci"][1]
+    assert tau_difference(a, a) == {"diff": 0.0, "ci": [0.0, 0.0], "prompts": 20}
+    # more prompts, a narrower interval; prompts only one run has are left out
+    wide = tau_interval(b)
+    narrow = tau_interval(b + _prompts(easy * 3, tag="q"))
+    assert narrow[1] - narrow[0] < wide[1] - wide[0]
+    assert tau_difference(a, b + _prompts([[1]], tag="x"))["prompts"] == 20
+    assert tau_difference(a, _prompts([[1]], tag="x")) is None

@@ -64,6 +64,16 @@ def test_report_json_is_consistent_and_side_by_side(tmp_path):
         assert key in report and report[key] == report["runs"][1][key], key
     ar = report["runs"][0]
     assert ar["mean_accept_len"] == 1.0 and ar["speedup"] == 1.0 and ar["scheme"] == "ar"
+    # τ's bootstrap interval on every run, the paired difference from the primary after it
+    assert ar["tau_ci95"] == [1.0, 1.0] and "tau_vs_primary" not in report["runs"][1]
+    second, first = report["runs"][2], report["runs"][1]
+    lo, hi = second["tau_ci95"]
+    assert lo <= second["mean_accept_len"] <= hi
+    vs = second["tau_vs_primary"]
+    assert vs["diff"] == pytest.approx(second["mean_accept_len"] - first["mean_accept_len"])
+    assert vs["ci"][0] <= vs["diff"] <= vs["ci"][1] and vs["prompts"] == 6
+    md = paths["md"].read_text()
+    assert "τ - mtp-chain (95% CI)" in md and f"{vs['diff']:+.3f}" in md
     for entry in report["runs"]:
         _check_consistent(entry)
         cats = entry["by_category"]
