@@ -9,7 +9,8 @@
 #      TREES=1 also the chain head, P-EAGLE and DFlash B=4 as trees of 6 nodes (top-2); with
 #      MARKOV=1 also P-EAGLE K=4 and DFlash B=4 with the in-block transition bias
 #      (head.markov_rank=$RANK), trained the same way
-#      -> $EVAL/report.md and report.json.
+#      -> $EVAL/report.md and report.json (the chain is listed first, so every other head's
+#      row holds its τ less the chain's with the paired 95% interval over the prompts).
 # Env: N (conversations, 160), STEPS (150), BATCH (2048), VOCAB (8192), PER_CAT (1), NEW (48),
 # REPEATS (3), TREES (0), MARKOV (0), RANK (64), OUT (runs/block_study), EVAL ($OUT/eval).
 # Reruns reuse what is there (every stage resumes).

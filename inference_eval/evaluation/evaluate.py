@@ -32,7 +32,13 @@ from inference_eval.evaluation.engines import build_engine
 from inference_eval.evaluation.config import BASELINE_LABEL, DraftConfig, EvalConfig
 from inference_eval.evaluation.metrics import TurnOutput
 from inference_eval.evaluation.prompts import PromptItem, load_prompts
-from inference_eval.evaluation.report import RunResult, build_report, write_report
+from inference_eval.evaluation.report import (
+    RunResult,
+    build_report,
+    format_difference,
+    format_interval,
+    write_report,
+)
 from inference_eval.engine.sampling import SamplingParams
 from inference_eval.engine.target import LoadedTarget, load_target
 
@@ -283,7 +289,11 @@ def print_summary(report: dict[str, Any]) -> None:
         alpha = ", ".join("-" if a is None else f"{a:.2f}" for a in r["per_position_accept_rate"])
         lc = r["lossless_check"]
         tau, tps, sp = r["mean_accept_len"], r["tokens_per_s"], r["speedup"]
-        print(f"[{r['name']}] τ={'-' if tau is None else f'{tau:.3f}'}  α=[{alpha}]  "
+        sure = ("" if r["scheme"] == "ar" or not r.get("tau_ci95") else
+                f" (95% {format_interval(r['tau_ci95'])}"
+                + (f"; vs {report['primary']} {format_difference(r['tau_vs_primary'])}"
+                   if r.get("tau_vs_primary") else "") + ")")
+        print(f"[{r['name']}] τ={'-' if tau is None else f'{tau:.3f}'}{sure}  α=[{alpha}]  "
               f"tok/s={'-' if tps is None else f'{tps:.1f}'}  "
               f"speedup={'-' if sp is None else f'{sp:.2f}x'}"
               + ("" if r["scheme"] == "ar" or r.get("decode_speedup") is None else

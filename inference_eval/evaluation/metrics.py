@@ -219,35 +219,38 @@ def _resampled_taus(runs: Sequence[Sequence[TurnOutput]], reps: int, seed: int
     return ids, taus
 
 
+def _percentiles(x: np.ndarray, level: float) -> list[float] | None:
+    """The central `level` interval of the finite values of x; None when there are none."""
+    x = x[np.isfinite(x)]
+    if not x.size:
+        return None
+    q = (1 - level) / 2
+    return [float(np.quantile(x, q)), float(np.quantile(x, 1 - q))]
+
+
 def tau_interval(outputs: Sequence[TurnOutput], level: float = 0.95, reps: int = 2000,
                  seed: int = 0) -> list[float] | None:
     """[lo, hi]: the percentile bootstrap interval of τ over the run's prompts (None without
     rounds). Deterministic for a seed."""
     got = _resampled_taus([outputs], reps, seed)
-    if got is None:
-        return None
-    taus = got[1][:, 0]
-    taus = taus[np.isfinite(taus)]
-    q = (1 - level) / 2
-    return [float(np.quantile(taus, q)), float(np.quantile(taus, 1 - q))]
+    return None if got is None else _percentiles(got[1][:, 0], level)
 
 
 def tau_difference(a: Sequence[TurnOutput], b: Sequence[TurnOutput], level: float = 0.95,
                    reps: int = 2000, seed: int = 0) -> dict[str, Any] | None:
     """τ(a) - τ(b) over the prompts both ran, with its paired bootstrap interval:
-    {"diff", "ci": [lo, hi], "prompts"}; None when they share no prompt."""
+    {"diff", "ci": [lo, hi], "prompts"}; None when they share no prompt with rounds."""
     got = _resampled_taus([a, b], reps, seed)
     if got is None:
         return None
     ids, taus = got
     keep = set(ids)
-    diff = (mean_accept_len([o for o in a if o.prompt_id in keep])
-            - mean_accept_len([o for o in b if o.prompt_id in keep]))
-    d = taus[:, 0] - taus[:, 1]
-    d = d[np.isfinite(d)]
-    q = (1 - level) / 2
-    return {"diff": float(diff), "ci": [float(np.quantile(d, q)), float(np.quantile(d, 1 - q))],
-            "prompts": len(ids)}
+    ta = mean_accept_len([o for o in a if o.prompt_id in keep])
+    tb = mean_accept_len([o for o in b if o.prompt_id in keep])
+    ci = _percentiles(taus[:, 0] - taus[:, 1], level)
+    if ta is None or tb is None or ci is None:
+        return None
+    return {"diff": float(ta - tb), "ci": ci, "prompts": len(ids)}
 
 
 def lossless_check(spec: Sequence[TurnOutput], ar: Sequence[TurnOutput],

@@ -191,11 +191,13 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
               for r in rows), ""]
 
 
-def _interval(ci: list[float] | None) -> str:
+def format_interval(ci: list[float] | None) -> str:
+    """tau_ci95 as text: "1.191-1.236", or "-"."""
     return "-" if not ci else f"{ci[0]:.3f}-{ci[1]:.3f}"
 
 
-def _vs(d: dict[str, Any] | None) -> str:
+def format_difference(d: dict[str, Any] | None) -> str:
+    """tau_vs_primary as text: "+0.033 (+0.021, +0.046)", or "-"."""
     return "-" if not d else f"{d['diff']:+.3f} ({d['ci'][0]:+.3f}, {d['ci'][1]:+.3f})"
 
 
@@ -209,8 +211,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     rows = []
     for r in runs:
         lc = r["lossless_check"]
-        rows.append([r["name"], r["scheme"], r["mean_accept_len"], _interval(r.get("tau_ci95")),
-                     _vs(r.get("tau_vs_primary")), r.get("tokens_per_target_pass"),
+        rows.append([r["name"], r["scheme"], r["mean_accept_len"], format_interval(r.get("tau_ci95")),
+                     format_difference(r.get("tau_vs_primary")), r.get("tokens_per_target_pass"),
                      r["tokens_per_s"], r["speedup"], r.get("best_speedup"),
                      r.get("decode_speedup"),
                      "-" if lc is None else f"{lc['mismatched']}/{lc['compared']}",

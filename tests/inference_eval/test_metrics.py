@@ -218,3 +218,12 @@ def test_a_paired_difference_separates_what_two_intervals_do_not():
     assert narrow[1] - narrow[0] < wide[1] - wide[0]
     assert tau_difference(a, b + _prompts([[1]], tag="x"))["prompts"] == 20
     assert tau_difference(a, _prompts([[1]], tag="x")) is None
+
+
+def test_tau_intervals_without_rounds_are_none():
+    from inference_eval.evaluation.metrics import tau_difference, tau_interval
+
+    only_prefills = [_out([(0, 0)], pid="p0", prefills=1)]
+    assert tau_interval(only_prefills) is None
+    assert tau_difference(only_prefills, only_prefills) is None
+    assert tau_interval([]) is None

@@ -124,3 +124,17 @@ def test_lossless_mismatch_and_bad_runs():
     assert report["lossless_check"]["mismatches"] == [{"id": "q0", "turn": 0, "at": 3}]
     with pytest.raises(ValueError, match="baseline"):
         build_report(runs[1:], SETTINGS)
+
+
+def test_the_printed_summary_carries_the_intervals(capsys):
+    from inference_eval.evaluation.evaluate import print_summary
+
+    report = build_report(_runs(), SETTINGS)
+    print_summary(report)
+    out = capsys.readouterr().out.splitlines()
+    first, second = report["runs"][1], report["runs"][2]
+    lo, hi = first["tau_ci95"]
+    assert out[1].startswith(f"[mtp-chain] τ={first['mean_accept_len']:.3f} (95% {lo:.3f}-{hi:.3f})")
+    vs = second["tau_vs_primary"]
+    assert f"; vs mtp-chain {vs['diff']:+.3f} ({vs['ci'][0]:+.3f}, {vs['ci'][1]:+.3f}))" in out[2]
+    assert out[0].startswith("[ar] τ=1.000  α=")
