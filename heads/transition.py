@@ -40,14 +40,12 @@ class TransitionBias(nn.Module):
         # Initialized by DraftHead.init_parameter: U unit normal, W zero.
         self.prev = nn.Parameter(like.new_empty(rows, rank))  # U
         self.out = nn.Parameter(like.new_empty(rows, rank))  # W
-        self.vocab_size = vocab_size
         if draft_vocab is None:
             self.row_of = None
         else:  # target id -> U's row, -1 outside the draft vocabulary; [V]
             row_of = torch.full((vocab_size,), -1, dtype=torch.long, device=like.device)
             row_of[draft_vocab.long()] = torch.arange(rows, device=like.device)
             self.register_buffer("row_of", row_of, persistent=False)
-            self.register_buffer("ids", draft_vocab.long().to(like.device), persistent=False)
 
     def embed(self, prev_tokens: torch.Tensor) -> torch.Tensor:
         """prev_tokens [R] target ids -> U's rows [R, r], zero for a token outside the draft
@@ -75,6 +73,9 @@ class TransitionBias(nn.Module):
         key = prefix + "prev"
         u = state.get(key)
         if (self.row_of is not None and u is not None and u.dim() == 2
-                and u.shape[0] == self.vocab_size != self.prev.shape[0]):
-            state[key] = u[self.ids]
+                and u.shape[0] == self.row_of.shape[0] != self.prev.shape[0]):
+            inside = self.row_of >= 0
+            rows = u.new_empty(self.prev.shape)
+            rows[self.row_of[inside]] = u[inside]
+            state[key] = rows
         super()._load_from_state_dict(state, prefix, *args, **kwargs)

@@ -203,9 +203,9 @@ def _prompt_rounds(outputs: Sequence[TurnOutput]) -> dict[str, tuple[int, int]]:
 
 
 def _resampled_taus(runs: Sequence[Sequence[TurnOutput]], reps: int, seed: int
-                    ) -> tuple[list[str], np.ndarray] | None:
-    """τ of each run over `reps` bootstrap draws of the prompts every run has: -> (prompt
-    ids, taus [reps, R]); None when they share no prompt."""
+                    ) -> tuple[list[str], np.ndarray, np.ndarray] | None:
+    """τ of each run over the prompts every run has, and over `reps` bootstrap draws of
+    them: -> (prompt ids, taus [R], drawn taus [reps, R]); None when they share no prompt."""
     per = [_prompt_rounds(r) for r in runs]
     ids = sorted(set.intersection(*(set(p) for p in per)))
     if not ids:
@@ -216,7 +216,8 @@ def _resampled_taus(runs: Sequence[Sequence[TurnOutput]], reps: int, seed: int
     weight = np.stack([np.bincount(d, minlength=len(ids)) for d in draws]).astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         taus = (weight @ num.T) / (weight @ den.T)  # [reps, R]
-    return ids, taus
+        point = num.sum(1) / den.sum(1)
+    return ids, point, taus
 
 
 def _percentiles(x: np.ndarray, level: float) -> list[float] | None:
@@ -233,7 +234,7 @@ def tau_interval(outputs: Sequence[TurnOutput], level: float = 0.95, reps: int =
     """[lo, hi]: the percentile bootstrap interval of τ over the run's prompts (None without
     rounds). Deterministic for a seed."""
     got = _resampled_taus([outputs], reps, seed)
-    return None if got is None else _percentiles(got[1][:, 0], level)
+    return None if got is None else _percentiles(got[2][:, 0], level)
 
 
 def tau_difference(a: Sequence[TurnOutput], b: Sequence[TurnOutput], level: float = 0.95,
@@ -243,14 +244,11 @@ def tau_difference(a: Sequence[TurnOutput], b: Sequence[TurnOutput], level: floa
     got = _resampled_taus([a, b], reps, seed)
     if got is None:
         return None
-    ids, taus = got
-    keep = set(ids)
-    ta = mean_accept_len([o for o in a if o.prompt_id in keep])
-    tb = mean_accept_len([o for o in b if o.prompt_id in keep])
+    ids, point, taus = got
     ci = _percentiles(taus[:, 0] - taus[:, 1], level)
-    if ta is None or tb is None or ci is None:
+    if ci is None or not np.isfinite(point).all():
         return None
-    return {"diff": float(ta - tb), "ci": ci, "prompts": len(ids)}
+    return {"diff": float(point[0] - point[1]), "ci": ci, "prompts": len(ids)}
 
 
 def lossless_check(spec: Sequence[TurnOutput], ar: Sequence[TurnOutput],
