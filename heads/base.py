@@ -69,7 +69,7 @@ class DraftHead(nn.Module):
         # A block drafter's in-block bias on d_k from d_{k-1} (heads/transition.py), or None.
         self.transition = None if not cfg.markov_rank else TransitionBias(
             a.vocab_size, None if cfg.draft_vocab_size is None else draft_vocab,
-            cfg.markov_rank, parts.lm_head)
+            cfg.markov_rank, parts.lm_head, any_prev=cfg.markov_first)
         if cfg.draft_vocab_size is None:
             self.draft_rows = None
             return
@@ -142,8 +142,10 @@ class DraftHead(nn.Module):
     def init_weights(self) -> None:
         """Initialize every trainable weight from the global generator, in named_parameters
         order (heads.registry.build_head seeds it, so a seed gives the same head), the
-        transition bias's last: a head with it starts with its plain twin's other weights."""
-        named = sorted(self.named_parameters(), key=lambda kv: kv[0].startswith("transition."))
+        transition bias's and confidence head's last: a head with them starts with its plain
+        twin's other weights."""
+        named = sorted(self.named_parameters(),
+                       key=lambda kv: kv[0].startswith(("transition.", "confidence.")))
         with torch.no_grad():
             for name, p in named:
                 if p.requires_grad:

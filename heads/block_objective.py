@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from heads.batch import PackedBatch
 from heads.loss import step_soft_ce
@@ -88,6 +89,17 @@ def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.
     return torch.flip(torch.cumsum(torch.flip(prefix * m, [-1]), -1), [-1]) * m
 
 
+def _confidence_loss(head, feats: torch.Tensor, prev: torch.Tensor, accept: torch.Tensor,
+                     valid: torch.Tensor) -> torch.Tensor:
+    """Σ over valid rows of BCE(confidence logit, the target's probability of the draft's top
+    token) for one block row: feats [J, H], prev [J] the token before each draft, accept [J].
+    The inputs are detached: the confidence head learns to read the drafter, never changes it."""
+    logit = head.confidence_logit(feats.detach(), prev).float()
+    bce = F.binary_cross_entropy_with_logits(logit, accept.detach().float().clamp(0, 1),
+                                             reduction="none")
+    return (bce * valid.float()).sum()
+
+
 def block_objective(head, batch: PackedBatch, chunk: int = 1024,
                     naive: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """head: a heads.dflash.DFlashHead -> (loss, stats [K, STATS]) as head_objective's."""
@@ -105,8 +117,9 @@ def block_objective(head, batch: PackedBatch, chunk: int = 1024,
     labels = [block_labels(batch, anchors, k) for k in range(1, k_max + 1)]
     weights = None
     # Row k's logit inputs; rows >= 2 with the transition bias read x_{g+k-1}, the token at
-    # the row's label index (heads/transition.py).
-    inputs = [head.logit_inputs(feats[:, k], batch.input_ids[rows] if k > 1 else None)
+    # the row's label index (heads/transition.py); row 1 too with markov_first (its anchor).
+    first = 1 if cfg.markov_first else 2
+    inputs = [head.logit_inputs(feats[:, k], batch.input_ids[rows] if k >= first else None)
               for k, (rows, _) in enumerate(labels, 1)]
     if cfg.position_weights == "dpace":
         ce = torch.stack([_row_ce(x.detach(), w.detach() if e is None else
@@ -124,6 +137,9 @@ def block_objective(head, batch: PackedBatch, chunk: int = 1024,
                                       naive, extra, stat_w=valid.float())
         chain_match, chain_beta, cond = chain_step(per_row, valid.float(), chain_match, chain_beta)
         loss_k = cfg.ce_loss_weight * ce / n_valid
+        if head.confidence is not None:
+            loss_k = loss_k + cfg.confidence_weight * _confidence_loss(
+                head, feats[:, k], batch.input_ids[rows], per_row[:, 1], valid) / n_valid
         scale = math.exp(-(k - 1) / cfg.decay_gamma) if weights is None else 1.0
         total = total + scale * loss_k
         stats.append(torch.cat([loss_k.detach().reshape(1).float(), m.float(), cond.detach()]))

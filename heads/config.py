@@ -61,6 +61,14 @@ class HeadConfig:
     anchors_per_seq: dflash blocks trained per sequence (random anchors, at most this many).
     markov_rank: a block drafter's in-block transition bias (DSpark's Markov head, rank r;
       0 = off): d_k's logits gain a low-rank term read from d_{k-1} (heads/transition.py).
+    markov_first: dflash with markov_rank: d_1's logits get the bias too, read from the
+      block's anchor (the last verified token), as DSpark's Markov head does; what
+      speculators' "dspark" format holds (train.export).
+    confidence_head: dflash: a linear head on [features_k ; U[d_{k-1}]] (the bias's row when
+      markov_rank > 0) predicting each draft's acceptance (DSpark's confidence head), fitted
+      by BCE to the target's probability of the draft's top token, on detached inputs (the
+      drafts stay the same); the engine's draft.min_confidence cut then reads it.
+    confidence_weight: the weight of that BCE in the loss.
     """
 
     type: str = "mtp"
@@ -82,6 +90,9 @@ class HeadConfig:
     dpace_alpha: float = 0.5
     anchors_per_seq: int = 64
     markov_rank: int = 0
+    markov_first: bool = False
+    confidence_head: bool = False
+    confidence_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.type not in HEAD_TYPES:
@@ -135,10 +146,19 @@ class HeadConfig:
             raise ValueError(f"head.markov_rank={self.markov_rank}: must be >= 0, and only a block "
                              "drafter (head.type=dflash, or eagle3 with parallel_drafting) has "
                              "the transition bias; a chain step reads the draft before it already")
-        if self.markov_rank and self.num_steps < 2:
+        if self.markov_rank and self.num_steps < 2 and not self.markov_first:
             raise ValueError(f"head.markov_rank={self.markov_rank} biases drafts 2..K, but "
                              f"head.num_steps={self.num_steps} has no second draft; use "
                              "head.num_steps >= 2 or head.markov_rank=0")
+        if self.markov_first and (self.type != "dflash" or not self.markov_rank):
+            raise ValueError("head.markov_first=true biases d_1 from a DFlash block's anchor: it "
+                             f"needs head.type=dflash and head.markov_rank > 0 (got "
+                             f"{self.type!r}, rank {self.markov_rank})")
+        if self.confidence_head and self.type != "dflash":
+            raise ValueError("head.confidence_head=true is DSpark's, on a DFlash block: it needs "
+                             f"head.type=dflash (got {self.type!r})")
+        if self.confidence_weight < 0:
+            raise ValueError(f"head.confidence_weight must be >= 0, got {self.confidence_weight}")
         if self.type == "dflash" and self.feature_loss_weight > 0:
             raise ValueError("head.feature_loss_weight must be 0 for head.type=dflash (its "
                              "block rows feed no next step)")

@@ -75,6 +75,9 @@ class DFlashHead(DraftHead):
         self.hidden_norm = RMSNorm(h, a.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(cfg.num_layers))
         self.final_norm = RMSNorm(h, a.rms_norm_eps)
+        # DSpark's confidence head: [features ; U[prev]] -> the draft's acceptance logit
+        self.confidence = None if not cfg.confidence_head else nn.Linear(
+            h + cfg.markov_rank, 1, bias=True)
 
     @property
     def block_size(self) -> int:
@@ -94,6 +97,15 @@ class DFlashHead(DraftHead):
         positions [T] -> k, v [T, kv_heads, head_dim] (what the engine caches)."""
         return context_kv(self.layers[layer].self_attn, c, self.rope_cos[positions],
                           self.rope_sin[positions])
+
+    def confidence_logit(self, features: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """features [R, H] of draft rows, prev [R] the token before each draft (row 1's: the
+        anchor) -> [R] logits of the drafts' predicted acceptance (the confidence head). It
+        reads the bias's U[prev] detached: only the confidence head learns from its loss."""
+        x = features
+        if self.transition is not None:
+            x = torch.cat([x, self.transition.embed(prev).detach().to(x.dtype)], -1)
+        return self.confidence(x.to(self.confidence.weight.dtype)).squeeze(-1)
 
     def block_tokens(self, last: torch.Tensor) -> torch.Tensor:
         """last [J] (each block's anchor token) -> [J * B]: the anchor, then B-1 mask ids."""

@@ -14,7 +14,9 @@ V / V_draft times smaller than a table over the target's (6x on SmolLM2 at 8192 
 is most of what the bias costs a training step.
 
 d_1 keeps the pass's own law (its previous token, the last verified one, is the block's
-anchor or the chain step's input already). W starts at zero, so a head starts as the same head
+anchor or the chain step's input already), unless head.markov_first (DFlash): then d_1 is
+biased from the anchor too, as DSpark's Markov head is, and U holds a row for every target
+token, since the anchor can be any (the table speculators' "dspark" format stores). W starts at zero, so a head starts as the same head
 without the bias. In training d_{k-1} is the data's token x_{k-1} (teacher forcing: a draft
 counts only when every draft before it was accepted, i.e. equal to the data's token under
 greedy self-distillation); in the engine it is the drawn draft, so the law each draft is
@@ -33,14 +35,16 @@ from torch import nn
 
 class TransitionBias(nn.Module):
     def __init__(self, vocab_size: int, draft_vocab: torch.Tensor | None, rank: int,
-                 like: torch.Tensor) -> None:
-        """draft_vocab: the reduced vocabulary's target ids [V_draft], or None (all V)."""
+                 like: torch.Tensor, any_prev: bool = False) -> None:
+        """draft_vocab: the reduced vocabulary's target ids [V_draft], or None (all V).
+        any_prev: the previous token may be any target token (head.markov_first: d_1's is the
+        block's anchor), so U keeps a row for each of the V."""
         super().__init__()
         rows = vocab_size if draft_vocab is None else draft_vocab.numel()
         # Initialized by DraftHead.init_parameter: U unit normal, W zero.
-        self.prev = nn.Parameter(like.new_empty(rows, rank))  # U
+        self.prev = nn.Parameter(like.new_empty(vocab_size if any_prev else rows, rank))  # U
         self.out = nn.Parameter(like.new_empty(rows, rank))  # W
-        if draft_vocab is None:
+        if draft_vocab is None or any_prev:
             self.row_of = None
         else:  # target id -> U's row, -1 outside the draft vocabulary; [V]
             row_of = torch.full((vocab_size,), -1, dtype=torch.long, device=like.device)

@@ -49,6 +49,14 @@ def check_expressible(bundle: HeadBundle, fmt: str) -> None:
                          f"(fc is 3H -> H), this head fuses {n_aux} ({bundle.cfg.aux_layers})")
 
 
+def vocab_maps(ids: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:
+    """A reduced vocabulary's target ids [V_draft] -> {"d2t": offsets [V_draft] int64,
+    "t2d": [V] bool}, as the EAGLE-3 and speculators formats store them."""
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return {"d2t": ids - torch.arange(ids.numel()), "t2d": t2d}
+
+
 def to_tensors(bundle: HeadBundle, layer_prefix: str) -> dict[str, torch.Tensor]:
     """Our eagle3 state -> EAGLE-3 tensor names (the layer under `layer_prefix`)."""
     s = dict(bundle.state)
@@ -60,12 +68,8 @@ def to_tensors(bundle: HeadBundle, layer_prefix: str) -> dict[str, torch.Tensor]
     for k in [k for k in s if k.startswith("layer.")]:
         s.pop(k)
     if "draft_lm_head" in s:
-        ids = s.pop("d2t_ids").long()
         out["lm_head.weight"] = s.pop("draft_lm_head")
-        out["d2t"] = ids - torch.arange(ids.numel())
-        t2d = torch.zeros(bundle.arch.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
-        out["t2d"] = t2d
+        out.update(vocab_maps(s.pop("d2t_ids").long(), bundle.arch.vocab_size))
     assert not s, f"eagle3 tensors without an EAGLE-3 name: {sorted(s)}"
     return out
 

@@ -62,10 +62,11 @@ def export_head(checkpoint: str | Path, fmt: str, out: str | Path, *, verifier: 
         raise ValueError(f"output {out} is the checkpoint itself; export to another directory")
     bundle = read_foreign(checkpoint)
     module = check_format(bundle.cfg.type, fmt)
-    if bundle.cfg.markov_rank:
+    if bundle.cfg.markov_rank and not (fmt == "speculators" and bundle.cfg.type == "dflash"):
         raise ValueError(f"{checkpoint}: head.markov_rank={bundle.cfg.markov_rank} (the in-block "
-                         f"transition bias) has no place in format {fmt!r}; such a head stays "
-                         "in the specheads format (evaluate it with python -m inference_eval)")
+                         f"transition bias) has no place in format {fmt!r}; a dflash head's goes "
+                         "to format 'speculators' (as DSpark's Markov head), other heads' stay in "
+                         "the specheads format (evaluate them with python -m inference_eval)")
     if dtype is not None:
         bundle.state = {k: v.to(dtype) if v.is_floating_point() else v
                         for k, v in bundle.state.items()}

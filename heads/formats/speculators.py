@@ -41,7 +41,8 @@ def default_verifier(bundle: HeadBundle) -> str | None:
 
 
 def export(bundle: HeadBundle, out: Path, verifier: str | None = None) -> Path:
-    """eagle3 -> "eagle3" (or "peagle" with head.parallel_drafting), dflash -> "dflash"."""
+    """eagle3 -> "eagle3" (or "peagle" with head.parallel_drafting), dflash -> "dflash" (or
+    "dspark" with the transition bias or the confidence head)."""
     verifier = verifier or default_verifier(bundle)
     if bundle.cfg.type == "dflash":
         return block.export_dflash(bundle, out, verifier)
@@ -88,19 +89,20 @@ def detect(cfg: dict[str, Any]) -> bool:
 
 def head_type(cfg: dict[str, Any]) -> str:
     """Our head type of a speculators config."""
-    return "dflash" if cfg.get("speculators_model_type") == "dflash" else "eagle3"
+    return "dflash" if cfg.get("speculators_model_type") in ("dflash", "dspark") else "eagle3"
 
 
 def read(path: Path) -> HeadBundle:
     cfg = read_config(path)
     src = str(path)
     kind = cfg.get("speculators_model_type")
-    if kind == "dflash":
+    if kind in ("dflash", "dspark"):
         return block.read_dflash(path, cfg)
     if kind not in ("eagle3", "peagle"):
-        raise ValueError(f"{src}: speculators model type {kind!r}; 'eagle3', 'peagle' and "
-                         "'dflash' map onto our heads (head.type=eagle3, eagle3 with "
-                         "head.parallel_drafting, dflash)")
+        raise ValueError(f"{src}: speculators model type {kind!r}; 'eagle3', 'peagle', 'dflash' "
+                         "and 'dspark' map onto our heads (head.type=eagle3, eagle3 with "
+                         "head.parallel_drafting, dflash, dflash with head.markov_rank / "
+                         "head.confidence_head)")
     on = [f for f in _UNSUPPORTED_FLAGS if cfg.get(f)]
     if on:
         raise ValueError(f"{src}: {on} set; our eagle3 head has no such variant")

@@ -9,9 +9,17 @@
              tensors       fc.weight [H, A*H], hidden_norm.weight, norm.weight (our
                            final_norm), layers.{i}.{input_layernorm, self_attn.{q,k,v,o}_proj,
                            self_attn.{q,k}_norm, post_attention_layernorm, mlp.*};
-                           reduced vocabulary: lm_head.weight (the target's rows: DFlash keeps
-                           them frozen; read, not written: an export has no target), d2t
-                           offsets, t2d
+                           reduced vocabulary: lm_head.weight (the target's rows, which DFlash
+                           keeps frozen: an export reads them from the checkpoint's target),
+                           d2t offsets, t2d
+    dspark   a dflash directory with speculators_model_type "dspark": a head with the transition
+                           bias (head.markov_rank, which must bias d_1 from the anchor as DSpark
+                           does: head.markov_first) or the confidence head; markov_rank,
+                           markov_head_type "vanilla", enable_confidence_head,
+                           confidence_head_with_markov (when both are there)
+             tensors       the dflash ones and markov_head.markov_w1.weight [V, r] (our U),
+                           markov_head.markov_w2.weight [V_draft, r] (our W),
+                           confidence_head.proj.{weight [1, H + r], bias [1]}
     peagle   config.json   EAGLE-3's (speculators.py) with speculators_model_type "peagle" and
                            mask_token_id
              tensors       EAGLE-3's, and mask_hidden [1, 1, A*H]
@@ -50,15 +58,24 @@ def export_dflash(bundle: HeadBundle, out: Path, verifier: str | None) -> Path:
     if a.qkv_bias:
         raise ValueError("format 'speculators' (dflash) holds a layer without q/k/v bias, but "
                          f"this head's layers (target {a.architecture}) have one")
-    if cfg.draft_vocab_size is not None:
-        # speculators stores a reduced vocabulary's lm_head rows, which are the target's (frozen
-        # in both); a checkpoint does not hold them and an export does not load the target.
-        raise ValueError("format 'speculators' (dflash): a reduced-vocabulary head's lm_head rows "
-                         "are the target's, which the export does not load; train the dflash "
-                         "head with head.draft_vocab_size=null to export it")
+    spark = bool(cfg.markov_rank) or cfg.confidence_head
+    if cfg.markov_rank and not cfg.markov_first:
+        raise ValueError("format 'speculators' (dspark): DSpark's Markov head biases d_1 too, from "
+                         "the block's anchor, and this head's bias starts at d_2; train the dflash "
+                         "head with head.markov_first=true to export it")
     s = dict(bundle.state)
     tensors = {"fc.weight": s.pop("fc.weight"), "hidden_norm.weight": s.pop("hidden_norm.weight"),
                "norm.weight": s.pop("final_norm.weight")}
+    if cfg.draft_vocab_size is not None:  # the target's frozen rows, and the maps
+        ids = s.pop("d2t_ids").long()
+        tensors.update(eagle3.vocab_maps(ids, a.vocab_size))
+        tensors["lm_head.weight"] = _target_rows(bundle, ids).to(tensors["fc.weight"].dtype)
+    if cfg.markov_rank:
+        tensors["markov_head.markov_w1.weight"] = s.pop("transition.prev")
+        tensors["markov_head.markov_w2.weight"] = s.pop("transition.out")
+    if cfg.confidence_head:
+        tensors["confidence_head.proj.weight"] = s.pop("confidence.weight")
+        tensors["confidence_head.proj.bias"] = s.pop("confidence.bias")
     for i in range(cfg.num_layers):
         tensors.update(layer_to_hf(s, f"layers.{i}.", f"layers.{i}.", a))
     for k in [k for k in s if k.startswith("layers.")]:
@@ -68,17 +85,43 @@ def export_dflash(bundle: HeadBundle, out: Path, verifier: str | None) -> Path:
     layer = llama_layer_config(a, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
                                num_hidden_layers=cfg.num_layers, torch_dtype=dtype_name(tensors),
                                tie_word_embeddings=False)
+    kind = "dspark" if spark else "dflash"
     config = {
-        "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
-        "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": _spec_config("dflash", cfg.num_steps, verifier, a),
-        "transformer_layer_config": layer, "draft_vocab_size": vocab,
+        "architectures": ["DSparkSpeculator" if spark else "DFlashSpeculator"],
+        "speculators_model_type": kind, "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": _spec_config(kind, cfg.num_steps, verifier, a),
+        "transformer_layer_config": layer,
+        "draft_vocab_size": vocab if cfg.draft_vocab_size is None else cfg.draft_vocab_size,
         "block_size": cfg.num_steps + 1, "target_hidden_size": None,
         "aux_hidden_state_layer_ids": eagle3.engine_aux_ids(bundle),
         "mask_token_id": mask_token(cfg, a.vocab_size), "sliding_window_non_causal": False,
         "sample_from_anchor": False, "torch_dtype": dtype_name(tensors),
         **stamps(bundle, verifier)}
+    if spark:
+        config.update({"markov_rank": cfg.markov_rank, "markov_head_type": "vanilla",
+                       "enable_confidence_head": cfg.confidence_head,
+                       "confidence_head_with_markov": cfg.confidence_head and bool(cfg.markov_rank)})
     return write_dir(out, config, tensors)
+
+
+def _target_rows(bundle: HeadBundle, ids: torch.Tensor) -> torch.Tensor:
+    """The target lm_head's rows [V_draft, H] of a reduced vocabulary, read from the target the
+    checkpoint names (only its embedding / lm_head tensors are opened, heads/frozen.py)."""
+    from heads.frozen import load_frozen
+    from inference_eval.engine.target import TargetConfig
+
+    t = bundle.target
+    if not t.get("source") or (t["source"] != "random" and not t.get("path")):
+        raise ValueError(f"{bundle.source}: a reduced-vocabulary dflash head exports the target's "
+                         "lm_head rows, but the checkpoint names no target to read them from")
+    parts = load_frozen(TargetConfig(name=t.get("name") or "target", source=t["source"],
+                                     path=t.get("path"), arch=t.get("arch") or {},
+                                     seed=t.get("seed", 0)))
+    want = t.get("frozen_sha256")
+    if want and parts.identity.get("frozen_sha256") != want:
+        raise ValueError(f"{bundle.source}: the target at {t.get('path')} is not the one the head "
+                         "was trained on (its embedding / lm_head hash differs)")
+    return parts.lm_head[ids]
 
 
 def read_dflash(path: Path, cfg: dict[str, Any]) -> HeadBundle:
@@ -98,9 +141,10 @@ def read_dflash(path: Path, cfg: dict[str, Any]) -> HeadBundle:
     aux = eagle3.our_aux_ids(cfg.get("aux_hidden_state_layer_ids"), src)
     if not aux:
         raise ValueError(f"{src}: no aux_hidden_state_layer_ids; a dflash head needs them")
+    spark = _spark_config(cfg, src)
     head_cfg = cfg_from_stamp(cfg.get("specheads_head"), "dflash", num_steps=block - 1,
                               num_layers=n_layers, aux_layers=aux, draft_vocab_size=None,
-                              mask_token_id=cfg.get("mask_token_id"))
+                              mask_token_id=cfg.get("mask_token_id"), **spark)
     t = read_tensors(path)
     state = {}
     for ours, theirs in (("fc.weight", "fc.weight"), ("hidden_norm.weight", "hidden_norm.weight"),
@@ -110,6 +154,15 @@ def read_dflash(path: Path, cfg: dict[str, Any]) -> HeadBundle:
         state[ours] = t.pop(theirs)
     for i in range(n_layers):
         state.update(layer_from_hf(t, f"layers.{i}.", f"layers.{i}.", arch, src))
+    for ours, theirs, wanted in (
+            ("transition.prev", "markov_head.markov_w1.weight", spark["markov_rank"]),
+            ("transition.out", "markov_head.markov_w2.weight", spark["markov_rank"]),
+            ("confidence.weight", "confidence_head.proj.weight", spark["confidence_head"]),
+            ("confidence.bias", "confidence_head.proj.bias", spark["confidence_head"])):
+        if wanted:
+            if theirs not in t:
+                raise ValueError(f"{src}: its config asks for {theirs}, which it lacks")
+            state[ours] = t.pop(theirs)
     lm_head, d2t = t.pop("lm_head.weight", None), t.pop("d2t", None)
     t.pop("t2d", None)
     t.pop("embed_tokens.weight", None)  # the verifier's, when a checkpoint carries it
@@ -126,6 +179,22 @@ def read_dflash(path: Path, cfg: dict[str, Any]) -> HeadBundle:
     elif lm_head is not None:
         bundle.lm_head = lm_head
     return bundle
+
+
+def _spark_config(cfg: dict[str, Any], src: str) -> dict[str, Any]:
+    """Our head keys of a dspark config (none for dflash): its Markov head is our transition
+    bias with d_1 biased from the anchor (markov_first), its confidence head ours."""
+    if cfg.get("speculators_model_type") != "dspark":
+        return {"markov_rank": 0, "markov_first": False, "confidence_head": False}
+    rank = int(cfg.get("markov_rank", 256))
+    if rank and cfg.get("markov_head_type", "vanilla") != "vanilla":
+        raise ValueError(f"{src}: markov_head_type={cfg['markov_head_type']!r}; our transition "
+                         "bias is DSpark's 'vanilla' (first-order) Markov head")
+    conf = bool(cfg.get("enable_confidence_head", True))
+    if conf and rank and not cfg.get("confidence_head_with_markov", True):
+        raise ValueError(f"{src}: a confidence head that does not read the Markov embedding; "
+                         "ours reads it whenever the head has one")
+    return {"markov_rank": rank, "markov_first": bool(rank), "confidence_head": conf}
 
 
 # ---- P-EAGLE ------------------------------------------------------------------------------

@@ -17,7 +17,9 @@ from heads.rollout import rollout
 
 AUX = [0, 1, 2]
 KINDS = {"dflash": dict(type="dflash", num_steps=3, num_layers=1),
-         "peagle": dict(type="eagle3", num_steps=3, parallel_drafting=True)}
+         "peagle": dict(type="eagle3", num_steps=3, parallel_drafting=True),
+         # d_1 biased from the block's anchor too (DSpark's convention)
+         "dflash_first": dict(type="dflash", num_steps=3, num_layers=1, markov_first=True)}
 
 
 def _batch(lens=(11, 9), seed=0):
@@ -50,7 +52,7 @@ def _bias(head, tok: torch.Tensor) -> torch.Tensor:
     """U[tok's row] @ W^T by a plain search of the draft vocabulary: tok [1] -> [1, V_draft],
     zero when tok is not one of its tokens."""
     t, d2t = head.transition, head.draft_to_target()
-    if d2t is None:
+    if d2t is None or head.cfg.markov_first:  # U: a row per target token
         u = t.prev[tok]
     else:
         hit = (d2t == tok).nonzero().flatten()
@@ -60,7 +62,8 @@ def _bias(head, tok: torch.Tensor) -> torch.Tensor:
 
 def _loop_losses(head, batch) -> list[float]:
     """Each position's mean CE computed row by row: logits = lm_head(features) plus, for
-    rows/steps k >= 2, U[prev] @ W^T with prev the data token just before the predicted one."""
+    rows/steps k >= 2 (every row with markov_first), U[prev] @ W^T with prev the data token
+    just before the predicted one (row 1's: the anchor)."""
     y_all = head.frozen.norm(batch.hidden)
     out = []
     if head.drafting == "block":
@@ -72,7 +75,7 @@ def _loop_losses(head, batch) -> list[float]:
             for j in valid.nonzero().flatten().tolist():
                 g = int(anchors[j])
                 z = head.logits(feats[j, k:k + 1]).float()
-                if k > 1:  # x_{g+k-1}: the token before the predicted x_{g+k}
+                if k > 1 or head.cfg.markov_first:  # x_{g+k-1}: the token before x_{g+k}
                     z = z + _bias(head, batch.input_ids[g + k - 1:g + k])
                 ce.append(_soft_ce(z, y_all[g + k - 1:g + k], head))
             out.append(float(torch.cat(ce).mean()))
@@ -89,7 +92,7 @@ def _loop_losses(head, batch) -> list[float]:
 
 
 @pytest.mark.parametrize("reduced", [False, True])
-@pytest.mark.parametrize("kind", ["dflash", "peagle"])
+@pytest.mark.parametrize("kind", ["dflash", "peagle", "dflash_first"])
 def test_folded_objective_equals_a_per_row_loop(parts, kind, reduced):
     vocab = dict(draft_vocab_size=120) if reduced else {}
     head = build_head(HeadConfig(**KINDS[kind], aux_layers=AUX, markov_rank=4, **vocab), parts,
@@ -104,8 +107,10 @@ def test_folded_objective_equals_a_per_row_loop(parts, kind, reduced):
     with torch.no_grad():
         head.transition.out.zero_()
         _, plain = head(batch)
-    assert plain[0, 0] == pytest.approx(float(stats[0, 0]), rel=1e-6)
-    assert all(abs(float(plain[k, 0] - stats[k, 0])) > 1e-3 for k in (1, 2))
+    biased = (0, 1, 2) if head.cfg.markov_first else (1, 2)
+    if not head.cfg.markov_first:
+        assert plain[0, 0] == pytest.approx(float(stats[0, 0]), rel=1e-6)
+    assert all(abs(float(plain[k, 0] - stats[k, 0])) > 1e-3 for k in biased)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "peagle"])
@@ -180,6 +185,20 @@ def test_a_reduced_vocabulary_keeps_u_to_its_tokens(parts, kind):
     assert read <= set(_batch().input_ids.tolist())
 
 
+def test_markov_first_keeps_a_row_of_u_for_every_target_token(parts):
+    """With markov_first d_1's previous token is the block's anchor, which can be any target
+    token: U has V rows (W keeps the draft vocabulary's), and a token outside the draft
+    vocabulary is biased like any other."""
+    head = _reduced(parts, "dflash_first")
+    assert tuple(head.transition.prev.shape) == (parts.arch.vocab_size, 4)
+    assert tuple(head.transition.out.shape) == (120, 4)
+    with torch.no_grad():
+        outside = torch.tensor([1, 241, 299])
+        want = torch.cat([_bias(head, outside[i:i + 1]) for i in range(3)])
+        torch.testing.assert_close(head.transition(outside), want)
+        assert float(head.transition(outside).abs().min(-1).values.sum()) > 0.0
+
+
 def test_a_head_saved_with_u_over_all_target_tokens_loads_as_the_same_drafter(parts, tmp_path):
     """Heads saved before U was cut to the draft vocabulary stored it [V, r]; its draft
     tokens' rows are the same bias."""
@@ -207,6 +226,10 @@ def test_refusals(parts, tmp_path):
         HeadConfig(type="dflash", markov_rank=-1)
     with pytest.raises(ValueError, match="no second draft"):
         HeadConfig(type="dflash", num_steps=1, markov_rank=4)
+    for bad in (dict(type="dflash", num_steps=3),
+                dict(type="eagle3", num_steps=3, parallel_drafting=True, markov_rank=4)):
+        with pytest.raises(ValueError, match="head.markov_first"):
+            HeadConfig(**bad, markov_first=True)
     save_head(_head(parts, "peagle"), tmp_path / "p")
     with pytest.raises(ValueError, match="transition bias.*speculators"):
         export_head(tmp_path / "p", "speculators", tmp_path / "out")

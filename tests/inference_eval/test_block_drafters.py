@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from heads.batch import PackedBatch
-from heads.checkpoint import save_head
+from heads.checkpoint import load_head, save_head
 from heads.config import HeadConfig
 from heads.registry import build_head
 from heads.rollout import rollout
@@ -31,7 +31,10 @@ KINDS = {"dflash": dict(type="dflash", num_steps=3, num_layers=2),
          "peagle": dict(type="eagle3", num_steps=3, parallel_drafting=True),
          # with the transition bias (heads/transition.py): d_k's law depends on d_{k-1}
          "dflash_markov": dict(type="dflash", num_steps=3, num_layers=2, markov_rank=8),
-         "peagle_markov": dict(type="eagle3", num_steps=3, parallel_drafting=True, markov_rank=8)}
+         "peagle_markov": dict(type="eagle3", num_steps=3, parallel_drafting=True, markov_rank=8),
+         # DSpark: d_1 biased from the block's anchor too, and the confidence head
+         "dspark": dict(type="dflash", num_steps=3, num_layers=2, markov_rank=8,
+                        markov_first=True, confidence_head=True)}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +83,8 @@ def _trained_laws(loaded, head, token_ids: list[int], prev: list[int] | None = N
                   ) -> torch.Tensor:
     """[K, V]: the training forward's laws of the drafts after `token_ids` (its last token
     x_n has no target state yet), in the target vocabulary; with the transition bias, law
-    k >= 2 after the drafts prev[k - 2] (d_1..d_{K-1}; None: the pass's laws alone)."""
+    k >= 2 after the drafts prev[k - 2] (d_1..d_{K-1}; None: the pass's laws alone), and
+    with markov_first law 1 after the anchor x_n."""
     n = len(token_ids)
     hidden, aux = _states(loaded, token_ids)
     ids = torch.tensor(token_ids)
@@ -93,7 +97,20 @@ def _trained_laws(loaded, head, token_ids: list[int], prev: list[int] | None = N
         laws = head.logits(feats).float()
         if prev is not None and head.transition is not None:
             laws[1:] += head.transition(torch.tensor(prev[:laws.shape[0] - 1]))
+        if head.cfg.markov_first:  # d_1's bias, read from the anchor x_n
+            laws[:1] += head.transition(ids[-1:])
         return laws
+
+
+def _trained_confidence(loaded, head, token_ids: list[int], drafts: list[int]) -> torch.Tensor:
+    """[K]: the confidence head's predicted acceptance of the drafts of the block anchored at
+    x_n in the training forward, each after the token before it (x_n, then d_1, d_2, ...)."""
+    n = len(token_ids)
+    _, aux = _states(loaded, token_ids)
+    with torch.no_grad():
+        feats = head.train_blocks(aux, [n], torch.tensor(token_ids), torch.tensor([n - 1]))[0, 1:]
+        prev = torch.tensor([token_ids[-1], *drafts])[:feats.shape[0]]
+        return torch.sigmoid(head.confidence_logit(feats, prev).float())
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -106,20 +123,26 @@ def test_engine_drafts_are_the_training_forwards(loaded, tmp_path, kind):
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     save_head(head, tmp_path / "h")
     eng = _engine(loaded, tmp_path / "h", head_code="none")
-    assert isinstance(eng.drafter, BlockContextDrafter if kind.startswith("dflash") else ParallelHeadDrafter)
+    assert isinstance(eng.drafter, BlockContextDrafter if head.drafting == "block" else ParallelHeadDrafter)
     req = eng.add_request(random_prompts(1, 5, 20)[0], SamplingParams(max_new_tokens=30, ignore_eos=True))
     for _ in range(4):  # the prefill, then three rounds
         eng.step()
         n = [req.num_cached]
         assert eng.drafter.draft_lengths([req], n, [3]) == [3]
         state, laws = eng.drafter.begin_round([req], n)
-        drafts = []
+        drafts, conf = [], [eng.drafter.confidence()]
         for s in (1, 2):  # d_s: the law's argmax, as greedy drafting draws it
             drafts.append(int(laws[-1].argmax()))
             laws = torch.cat([laws, eng.drafter.step([req], n, s, torch.tensor(drafts[-1:]),
                                                      state)[1]])
+            conf.append(eng.drafter.confidence())
         want = _trained_laws(loaded, head, req.token_ids, drafts)
         torch.testing.assert_close(laws, want, rtol=1e-4, atol=1e-4)
+        if getattr(head, "confidence", None) is None:
+            assert conf == [None] * 3  # the cut reads the laws' top probabilities
+        else:
+            torch.testing.assert_close(torch.cat(conf), _trained_confidence(
+                loaded, head, req.token_ids, drafts), rtol=1e-4, atol=1e-5)
         if head.transition is not None:  # the bias is in the laws: without it they differ
             assert (want - _trained_laws(loaded, head, req.token_ids))[1:].abs().max() > 1e-2
     assert sum(req.proposed) > 0
@@ -209,6 +232,27 @@ def test_sampled_is_lossless_with_accepted_block_drafts(loaded, fitted, kind):
     out = _sampled_first_three(loaded, _engine(loaded, path, k=2, max_batch_size=4096, seed=11),
                                prompts[0])
     assert all(r.meta["proposed"][1] == 2 for r in out)
+
+
+@pytest.mark.parametrize("bias, drafts", [(-30.0, False), (30.0, True)])
+def test_the_cut_reads_the_confidence_head(loaded, fitted, bias, drafts):
+    """With a confidence head the cut reads its predicted acceptance, not the laws: a head
+    that predicts none drafts nothing at a threshold half the laws' top probabilities pass
+    (a quarter of their median), one that predicts certain acceptance drafts every round at
+    a threshold above every law's top probability."""
+    path, prompts, ar, median = fitted["dspark"]
+    head = load_head(path, frozen_parts_of(loaded))
+    with torch.no_grad():
+        head.confidence.bias.fill_(bias)
+    save_head(head, path.parent / f"conf{bias}")
+    eng = _engine(loaded, path.parent / f"conf{bias}", conf=median / 4 if not drafts else 0.999)
+    out = eng.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), progress=False)
+    assert [r.token_ids for r in out] == ar
+    proposed = sum(sum(r.meta["proposed"]) for r in out)
+    assert (proposed > 0) == drafts
+    if drafts:  # all 3 drafts in every round but those near max_new_tokens
+        rounds = [p for r in out for p in r.meta["proposed"][1:]]
+        assert sum(p == 3 for p in rounds) >= 0.75 * len(rounds)
 
 
 def test_refusals(loaded, fitted):

@@ -43,6 +43,9 @@ HEADS = {  # case -> (head config, reduced vocabulary)
                                    markov_rank=8), True),
     "peagle_markov": (dict(type="eagle3", num_steps=3, parallel_drafting=True, markov_rank=8),
                       False),
+    # DSpark: d_1 biased from the anchor and the confidence head, read on the leader
+    "dspark_reduced": (dict(type="dflash", num_steps=3, num_layers=2, anchors_per_seq=1000,
+                            markov_rank=8, markov_first=True, confidence_head=True), True),
 }
 
 
@@ -78,6 +81,8 @@ def runs(tiny_hf, tmp_path_factory):
         cases[name] = SimpleNamespace(**CHAIN, checkpoint=str(tmp / name))
     cases["peagle_sync_free"] = SimpleNamespace(**CHAIN, checkpoint=str(tmp / "peagle"),
                                                 sync_free=True)
+    cases["dspark_cut"] = SimpleNamespace(**CHAIN, checkpoint=str(tmp / "dspark_reduced"),
+                                          min_confidence=0.3)  # the cut reads its head
     for name in ("peagle", "dflash"):  # a tree over the block's per-position top-k
         cases[f"{name}_tree"] = SimpleNamespace(kind="head", scheme="tree", depth=3, topk=2,
                                                 total_tokens=6, checkpoint=str(tmp / name))
@@ -90,7 +95,8 @@ def runs(tiny_hf, tmp_path_factory):
     return two, one, ar, loaded.model.arch
 
 
-@pytest.mark.parametrize("name", [*HEADS, "peagle_sync_free", "peagle_tree", "dflash_tree"])
+@pytest.mark.parametrize("name", [*HEADS, "peagle_sync_free", "peagle_tree", "dflash_tree",
+                                  "dspark_cut"])
 def test_tp2_is_lossless_and_accepts_as_tp1(runs, name):
     two, one, ar, _ = runs
     got, ref = two[name], one[name]

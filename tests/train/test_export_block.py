@@ -34,11 +34,20 @@ def loaded(tiny_hf):
     return load_tiny(tiny_hf)  # llama3: its rope scaling is exported too
 
 
+DRAFT_VOCAB = torch.arange(3, V, 4)  # a reduced vocabulary: 80 of the 320 tokens
+# DSpark: DFlash plus the transition bias (d_1's from the anchor) and the confidence head
+SPARK = dict(markov_rank=4, markov_first=True, confidence_head=True)
+
+
 def _head(loaded, kind: str, seed: int = 5):
-    cfg = (HeadConfig(type="dflash", num_steps=3, num_layers=2, aux_layers=AUX, mask_token_id=17)
-           if kind == "dflash" else
-           HeadConfig(type="eagle3", num_steps=3, aux_layers=AUX, parallel_drafting=True))
-    head = build_head(cfg, frozen_parts_of(loaded), seed=seed)
+    dflash = dict(type="dflash", num_steps=3, num_layers=2, aux_layers=AUX, mask_token_id=17)
+    cfg = {"dflash": HeadConfig(**dflash),
+           "dspark": HeadConfig(**dflash, **SPARK),
+           "dspark_reduced": HeadConfig(**dflash, **SPARK, draft_vocab_size=DRAFT_VOCAB.numel()),
+           "peagle": HeadConfig(type="eagle3", num_steps=3, aux_layers=AUX,
+                                parallel_drafting=True)}[kind]
+    head = build_head(cfg, frozen_parts_of(loaded), seed=seed,
+                      draft_vocab=DRAFT_VOCAB if cfg.draft_vocab_size else None)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # every tensor random, so a swapped or dropped one changes the logits
         for name, p in head.named_parameters():
@@ -92,6 +101,57 @@ def test_speculators_dflash_reproduces_our_block_logits(loaded, tmp_path):
     torch.testing.assert_close(theirs[0], ours, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["dspark", "dspark_reduced"])
+def test_speculators_dspark_reproduces_our_biased_logits_and_confidences(loaded, tmp_path,
+                                                                        monkeypatch, kind):
+    """Our DFlash head with the transition bias and the confidence head is speculators'
+    DSpark: its forward's Markov-biased logits and confidence logits (captured where it hands
+    them to its loss) are ours on the same inputs; a reduced vocabulary's lm_head rows are the
+    target's, which the export reads from the checkpoint's target."""
+    import speculators.models.dspark.core as dspark_core
+    from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+
+    head = _head(loaded, kind)
+    save_head(head, tmp_path / "ours")
+    out = export_head(tmp_path / "ours", "speculators", tmp_path / "spec")
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["speculators_model_type"] == "dspark" and raw["markov_rank"] == 4
+    assert raw["enable_confidence_head"] and raw["confidence_head_with_markov"]
+    assert raw["sample_from_anchor"] is False
+    cfg = DSparkSpeculatorConfig.from_pretrained(str(out))
+    cfg.transformer_layer_config._attn_implementation = "eager"
+    model = _fill_verifier(DSparkDraftModel.from_pretrained(str(out), config=cfg).eval())
+    assert model.use_draft_vocab == (kind == "dspark_reduced")
+
+    n, b = 14, 4
+    ids, aux = _inputs(n)
+    got = {}
+
+    def capture(logits, targets, confidence_logits, *a, **kw):
+        got["logits"], got["conf"] = logits, confidence_logits
+        return torch.zeros(()), {}
+
+    monkeypatch.setattr(dspark_core, "compute_metrics", capture)
+    anchors = torch.arange(n - b)
+    with torch.no_grad():
+        model(hidden_states=aux.reshape(1, n, 3 * H), input_ids=ids[None],
+              loss_mask=torch.ones(1, n), verifier_last_hidden_states=torch.zeros(1, n, H),
+              document_ids=torch.zeros(1, n, dtype=torch.long), max_anchors=n - b)
+        feats = head.train_blocks(aux, [n], ids, anchors)  # [J, B, H]
+        # row k's previous token is the data's x_{a+k-1}: the anchor itself for row 1
+        prev = torch.stack([ids[anchors + k - 1] for k in range(1, b)], 1)  # [J, B-1]
+        drafts = feats[:, 1:].reshape(-1, H)
+        ours = head.logits(drafts).float() + head.transition(prev.reshape(-1))
+        conf = head.confidence_logit(drafts, prev.reshape(-1))
+    theirs = got["logits"][0].view(n - b, b, -1)[:, 1:].reshape(-1, ours.shape[-1])
+    torch.testing.assert_close(theirs.float(), ours, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got["conf"][0].view(n - b, b)[:, 1:].reshape(-1).float(), conf.float(),
+                               rtol=1e-4, atol=1e-4)
+    if kind == "dspark_reduced":
+        target_rows = frozen_parts_of(loaded).lm_head[DRAFT_VOCAB]
+        torch.testing.assert_close(model.lm_head.weight.detach(), target_rows.to(model.lm_head.weight.dtype))
+
+
 def test_speculators_peagle_reproduces_our_parallel_steps(loaded, tmp_path, monkeypatch):
     import speculators.models.peagle.core as peagle_core
     from speculators.losses import resolve_loss_config
@@ -132,7 +192,7 @@ def test_speculators_peagle_reproduces_our_parallel_steps(loaded, tmp_path, monk
         start += n - d
 
 
-@pytest.mark.parametrize("kind", ["dflash", "peagle"])
+@pytest.mark.parametrize("kind", ["dflash", "peagle", "dspark", "dspark_reduced"])
 def test_export_round_trips_into_our_engine_with_identical_drafts(loaded, tmp_path, kind):
     head = _head(loaded, kind)
     save_head(head, tmp_path / "ours")
@@ -147,19 +207,20 @@ def test_export_round_trips_into_our_engine_with_identical_drafts(loaded, tmp_pa
     prompts = random_prompts(3, 8, 20)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     runs = []
+    # DSpark's drafts cut where its confidence head predicts little acceptance
+    cut = 0.5 if head.cfg.confidence_head else 0.0
     for path in (tmp_path / "ours", tmp_path / "spec"):
         eng = build_engine(loaded, EngineConfig(attention="torch", page_size=4), SimpleNamespace(
-            kind="head", checkpoint=str(path), num_draft=3, scheme="chain"))
+            kind="head", checkpoint=str(path), num_draft=3, scheme="chain", min_confidence=cut))
         got = eng.generate(prompts, params, progress=False)
         runs.append([(r.token_ids, r.meta["proposed"], r.meta["accepted"]) for r in got])
     assert runs[0] == runs[1]
 
 
-def test_a_reduced_vocabulary_dflash_head_is_refused(loaded, tmp_path):
-    vocab = torch.arange(3, V, 4)
-    cfg = HeadConfig(type="dflash", num_steps=3, aux_layers=AUX, draft_vocab_size=vocab.numel())
-    save_head(build_head(cfg, frozen_parts_of(loaded), draft_vocab=vocab), tmp_path / "ours")
-    with pytest.raises(ValueError, match="reduced-vocabulary.*draft_vocab_size=null"):
+def test_a_bias_that_spares_d1_is_refused_by_dspark(loaded, tmp_path):
+    cfg = HeadConfig(type="dflash", num_steps=3, aux_layers=AUX, markov_rank=4)
+    save_head(build_head(cfg, frozen_parts_of(loaded)), tmp_path / "ours")
+    with pytest.raises(ValueError, match="dspark.*head.markov_first=true"):
         export_head(tmp_path / "ours", "speculators", tmp_path / "spec")
 
 

@@ -7,12 +7,14 @@ out law s + 1 (the engine selects the state's rows of the requests still draftin
 drafter). The pass's laws do not depend on the tokens drawn before them (the transition bias
 below is added once its token is drawn), so the engine still draws d_k from exactly the law
 q_k it passes to verification, and greedy and sampled verification stay lossless; the
-confidence cut (draft.min_confidence) reads the same laws. The tree engine
-grows a tree over them with `grow`: every node of depth d gets the law of d_{d+1}, so the tree
-is the block's per-position top-k (draft.scheme=tree, its depth <= the block's drafts). A head
-with the transition bias (head.markov_rank) adds, to the law of d_{k}, its bias read from the
-token drawn before it (`step`, `grow`): each law is still the one its draft is drawn from and
-verified against, and a tree node's children then depend on the node's own token.
+confidence cut (draft.min_confidence) reads the same laws. The tree engine grows a tree over
+them with `grow`: every node of depth d gets the law of d_{d+1}, so the tree is the block's
+per-position top-k (draft.scheme=tree, its depth <= the block's drafts). A head with the
+transition bias (head.markov_rank) adds, to the law of d_{k}, its bias read from the token
+drawn before it (`step`, `grow`): each law is still the one its draft is drawn from and
+verified against, and a tree node's children then depend on the node's own token. With
+head.markov_first a DFlash head's d_1 is biased too, from the block's anchor (the last
+verified token, known before the pass).
 
 - `ParallelHeadDrafter`: a P-EAGLE head (heads/eagle3.py, parallel_drafting). Its cache and
   refills are `HeadDrafter`'s (the head's index j holds (h_j, x_{j+1})); a round's steps
@@ -72,7 +74,12 @@ class _PrecomputedLaws:
         """The law of d_{j+2} for the round rows `rows` [M] after the tokens prev [M]: the
         pass's, plus the head's transition bias from prev when it has one (heads/transition:
         the only law of a round that depends on a drawn token, computed once it is drawn)."""
-        law, bias = self._laws[rows, j], self.head.transition  # law: a copy [M, V]
+        return self._biased(self._laws[rows, j], prev)  # the rows' laws: a copy [M, V]
+
+    def _biased(self, law: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """law [M, V] (changed in place) plus the transition bias read from prev [M], if the
+        head has one."""
+        bias = self.head.transition
         if bias is None:
             return law
         b = bias(prev)  # [M, V_draft]
@@ -168,14 +175,42 @@ class BlockContextDrafter(_PrecomputedLaws, _HeadLogits, Drafter):
                               [m + a + 1 for m, a in zip(n, accepted)])
         self._write_context(out.aux.index_select(0, flat), layout)
 
+    _feats: torch.Tensor | None = None  # [L, B-1, H] the round's draft rows (confidence head)
+    _conf: torch.Tensor | None = None  # [L] predicted acceptance of the drafts last handed out
+
+    def begin_round(self, reqs, n):
+        state, first = super().begin_round(reqs, n)
+        self._conf = self._confidence_at(state[:, 0], 0, self._anchor)
+        return state, first
+
+    def step(self, reqs, n, s, tokens, state):
+        state, law = super().step(reqs, n, s, tokens, state)
+        self._conf = self._confidence_at(state[:, 0], s, tokens)
+        return state, law
+
+    def confidence(self):
+        return self._conf
+
+    def _confidence_at(self, rows: torch.Tensor, j: int, prev: torch.Tensor) -> torch.Tensor | None:
+        """The confidence head's predicted acceptance [M] of d_{j+1} for the round rows `rows`
+        [M] after the tokens prev [M] (d_j, the anchor for j = 0); None without the head."""
+        if self.head.confidence is None:
+            return None
+        return torch.sigmoid(self.head.confidence_logit(self._feats[rows, j], prev).float())
+
     def _round_laws(self, reqs, n):
         b, L = self.block, len(reqs)
         last = torch.tensor([r.token_ids[-1] for r in reqs], device=self.device)
+        self._anchor = last
         ones, rows = self._block_consts(L)
         layout = BatchLayout([b] * L, [m + b for m in n], [r.pages for r in reqs], self.page_size,
                              tree_masks=[ones] * L)
         _, logits = self.run(self.head.block_tokens(last), None, self.backend.plan(layout), rows)
         laws = logits.view(L, b - 1, -1)
+        if self._feats is not None:
+            self._feats = self._feats.view(L, b - 1, -1)
+        if self.head.cfg.markov_first:  # d_1 biased from the anchor (DSpark's convention)
+            return laws[:, 1:], self._biased(laws[:, 0].clone(), last)
         return laws[:, 1:], laws[:, 0]
 
     def _block_consts(self, L: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +235,10 @@ class BlockContextDrafter(_PrecomputedLaws, _HeadLogits, Drafter):
         head = self.head
         ctx = StepContext(head.rope_cos[plan.positions], head.rope_sin[plan.positions], plan,
                           self.cache)
-        return None, self._logits(head.block_features(tokens, ctx, rows))
+        feats = head.block_features(tokens, ctx, rows)
+        if head.confidence is not None:  # the rows' features: what the confidence head reads
+            self._feats = feats
+        return None, self._logits(feats)
 
     def drop(self, rid):
         pass

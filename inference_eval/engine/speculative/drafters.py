@@ -113,6 +113,12 @@ class Drafter:
         (state, logits [L, V] fp32 of d_{s+1})."""
         raise NotImplementedError
 
+    def confidence(self) -> torch.Tensor | None:
+        """The predicted acceptance [L] of the drafts whose laws the last begin_round / step
+        returned, from a learned confidence head (DSpark's); None: the engine's
+        draft.min_confidence cut reads each law's top probability instead."""
+        return None
+
     def accept(self, reqs: list[Request], n: list[int], accepted: list[int],
                emitted: list[list[int]], out: ModelOutput, rows: Rows) -> None:
         """After verification: request i emitted emitted[i][:accepted[i] + 1] (its drafts,

@@ -118,29 +118,50 @@ class LookupDrafter(Drafter):
             (look if self.chains.get(r.id) else model).append(j)
         return look, model
 
+    _conf: torch.Tensor | None = None
+
     def begin_round(self, reqs, n):
         """-> (state [L, ...] or None, logits [L, V]); lookup rows are one-hot."""
         look, model = self._split(reqs)
+        self._conf = None
         if not look:
-            return self.inner.begin_round(reqs, n)
+            got = self.inner.begin_round(reqs, n)
+            self._conf = self.inner.confidence()
+            return got
         drafts = self._one_hot([self.chains[reqs[j].id][0] for j in look])
         if not model:
             return None, drafts
         state, logits = self.inner.begin_round([reqs[j] for j in model], [n[j] for j in model])
+        self._merge_confidence(len(reqs), model)
         return self._merge(len(reqs), look, drafts, model, state, logits)
 
     def step(self, reqs, n, s, tokens, state):
         """tokens [L] (d_s), state [L, ...] or None -> (state, logits [L, V])."""
         look, model = self._split(reqs)
+        self._conf = None
         if not look:
-            return self.inner.step(reqs, n, s, tokens, state)
+            got = self.inner.step(reqs, n, s, tokens, state)
+            self._conf = self.inner.confidence()
+            return got
         drafts = self._one_hot([self.chains[reqs[j].id][s] for j in look])
         if not model:
             return state, drafts
         sub = None if state is None else state[torch.tensor(model, device=state.device)]
         nxt, logits = self.inner.step([reqs[j] for j in model], [n[j] for j in model], s,
                                       tokens[torch.tensor(model, device=tokens.device)], sub)
+        self._merge_confidence(len(reqs), model)
         return self._merge(len(reqs), look, drafts, model, nxt, logits)
+
+    def confidence(self):
+        return self._conf
+
+    def _merge_confidence(self, size: int, model: list[int]) -> None:
+        """The inner drafter's confidences at its rows and 1 at the lookup rows (a one-hot law's
+        top probability), or None when the inner drafter has no confidence head."""
+        conf = self.inner.confidence()
+        if conf is not None:
+            self._conf = conf.new_ones(size)
+            self._conf[torch.tensor(model, device=conf.device)] = conf
 
     def _merge(self, size, look, drafts, model, state, logits):
         """drafts [len(look), V], logits [len(model), V], state [len(model), ...] or None ->

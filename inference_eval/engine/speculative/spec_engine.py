@@ -299,10 +299,14 @@ class SpecEngine(LLMEngine):
 
     def _confident(self, logits: torch.Tensor, rows: int) -> list[bool]:
         """Per row of one draft step (logits [L, V]): whether the draft model's own law, before
-        any sampling setting, puts min_confidence on its top token. The same test for greedy
-        and sampled requests, so a request's cuts do not depend on its batch."""
+        any sampling setting, puts min_confidence on its top token, or, for a drafter with a
+        learned confidence head, whether the head predicts at least min_confidence for the
+        draft's acceptance. The same test for greedy and sampled requests, so a request's cuts
+        do not depend on its batch; either reads the draft side only (lossless)."""
         if self.min_confidence <= 0:
             return [True] * rows
         self.counters["host_syncs"] += 1
-        top = torch.softmax(logits.float(), -1).max(-1).values
+        top = self.drafter.confidence()
+        if top is None:
+            top = torch.softmax(logits.float(), -1).max(-1).values
         return (top >= self.min_confidence).tolist()
