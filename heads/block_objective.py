@@ -91,8 +91,8 @@ def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.
 
 def _confidence_loss(head, feats: torch.Tensor, prev: torch.Tensor, accept: torch.Tensor,
                      valid: torch.Tensor) -> torch.Tensor:
-    """Σ over valid rows of BCE(confidence logit, the target's probability of the draft's top
-    token) for one block row: feats [J, H], prev [J] the token before each draft, accept [J].
+    """Σ over valid rows of BCE(confidence logit, the draft's acceptance rate Σ_v min(p, q))
+    for one block row: feats [J, H], prev [J] the token before each draft, accept [J].
     The inputs are detached: the confidence head learns to read the drafter, never changes it."""
     logit = head.confidence_logit(feats.detach(), prev).float()
     bce = F.binary_cross_entropy_with_logits(logit, accept.detach().float().clamp(0, 1),
@@ -137,10 +137,11 @@ def block_objective(head, batch: PackedBatch, chunk: int = 1024,
                                       naive, extra, stat_w=valid.float())
         chain_match, chain_beta, cond = chain_step(per_row, valid.float(), chain_match, chain_beta)
         loss_k = cfg.ce_loss_weight * ce / n_valid
-        if head.confidence is not None:
-            loss_k = loss_k + cfg.confidence_weight * _confidence_loss(
-                head, feats[:, k], batch.input_ids[rows], per_row[:, 1], valid) / n_valid
         scale = math.exp(-(k - 1) / cfg.decay_gamma) if weights is None else 1.0
         total = total + scale * loss_k
+        if head.confidence is not None:  # decayed as the drafts' CE (D-PACE's too: DSpark's)
+            total = total + math.exp(-(k - 1) / cfg.decay_gamma) * cfg.confidence_weight * \
+                _confidence_loss(head, feats[:, k], batch.input_ids[rows], per_row[:, 1],
+                                 valid) / n_valid
         stats.append(torch.cat([loss_k.detach().reshape(1).float(), m.float(), cond.detach()]))
     return total, torch.stack(stats)

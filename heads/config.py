@@ -66,8 +66,8 @@ class HeadConfig:
       speculators' "dspark" format holds (train.export).
     confidence_head: dflash: a linear head on [features_k ; U[d_{k-1}]] (the bias's row when
       markov_rank > 0) predicting each draft's acceptance (DSpark's confidence head), fitted
-      by BCE to the target's probability of the draft's top token, on detached inputs (the
-      drafts stay the same); the engine's draft.min_confidence cut then reads it.
+      by BCE to the draft's acceptance rate Σ min(p, q) (DSpark's target), on detached inputs
+      (the drafts stay the same); the engine's draft.min_confidence cut then reads it.
     confidence_weight: the weight of that BCE in the loss.
     """
 

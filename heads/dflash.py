@@ -75,9 +75,11 @@ class DFlashHead(DraftHead):
         self.hidden_norm = RMSNorm(h, a.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(cfg.num_layers))
         self.final_norm = RMSNorm(h, a.rms_norm_eps)
-        # DSpark's confidence head: [features ; U[prev]] -> the draft's acceptance logit
-        self.confidence = None if not cfg.confidence_head else nn.Linear(
-            h + cfg.markov_rank, 1, bias=True)
+        # DSpark's confidence head: [features ; U[prev]] -> the draft's acceptance logit. Built
+        # without drawing (init_weights draws it last), so a head with it keeps its plain
+        # twin's other weights for the same seed.
+        self.confidence = None if not cfg.confidence_head else nn.utils.skip_init(
+            nn.Linear, h + cfg.markov_rank, 1, bias=True)
 
     @property
     def block_size(self) -> int:

@@ -8,11 +8,14 @@
 #      12 categories, greedy, batch 1: τ, α_k, tokens/s, the time split of a round; with
 #      TREES=1 also the chain head, P-EAGLE and DFlash B=4 as trees of 6 nodes (top-2); with
 #      MARKOV=1 also P-EAGLE K=4 and DFlash B=4 with the in-block transition bias
-#      (head.markov_rank=$RANK), trained the same way
+#      (head.markov_rank=$RANK), trained the same way; with DSPARK=1 also DSpark: DFlash
+#      B=4 with the bias on every draft (head.markov_first=true) and the confidence head,
+#      evaluated plain and with the cut reading its head (draft.min_confidence=$CUT)
 #      -> $EVAL/report.md and report.json (the chain is listed first, so every other head's
 #      row holds its τ less the chain's with the paired 95% interval over the prompts).
 # Env: N (conversations, 160), STEPS (150), BATCH (2048), VOCAB (8192), PER_CAT (1), NEW (48),
-# REPEATS (3), TREES (0), MARKOV (0), RANK (64), OUT (runs/block_study), EVAL ($OUT/eval).
+# REPEATS (3), TREES (0), MARKOV (0), DSPARK (0), RANK (64), CUT (0.2), OUT (runs/block_study),
+# EVAL ($OUT/eval).
 # Reruns reuse what is there (every stage resumes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +23,7 @@ PY=.venv/bin/python
 N=${N:-160}; STEPS=${STEPS:-150}; BATCH=${BATCH:-2048}; VOCAB=${VOCAB:-8192}
 PER_CAT=${PER_CAT:-1}; NEW=${NEW:-48}; REPEATS=${REPEATS:-3}; OUT=${OUT:-runs/block_study}
 TREES=${TREES:-0}; EVAL=${EVAL:-$OUT/eval}; MARKOV=${MARKOV:-0}; RANK=${RANK:-64}
+DSPARK=${DSPARK:-0}; CUT=${CUT:-0.2}
 export WANDB_MODE=${WANDB_MODE:-disabled}
 
 $PY -m precompute target=smollm2 data=sharegpt data.limit="$N" data.max_length=768 aux=eagle3 \
@@ -45,6 +49,10 @@ if [ "$MARKOV" = 1 ]; then
   train peagle_markov head=peagle head.num_steps=4 head.markov_rank="$RANK" validation.tau_num_draft=4
   train dflash4_markov head=dflash head.num_steps=3 head.markov_rank="$RANK" validation.tau_num_draft=3
 fi
+if [ "$DSPARK" = 1 ]; then
+  train dspark4 head=dflash head.num_steps=3 head.markov_rank="$RANK" head.markov_first=true \
+      head.confidence_head=true validation.tau_num_draft=3
+fi
 
 ck() { echo "$OUT/$1/checkpoints/best"; }
 drafts="[{kind:head,checkpoint:$(ck eagle3),name:eagle3_chain4,num_draft:4}"
@@ -55,6 +63,10 @@ drafts+=",{kind:head,checkpoint:$(ck dflash4_l2),name:dflash_b4_l2,num_draft:3}"
 if [ "$MARKOV" = 1 ]; then
   drafts+=",{kind:head,checkpoint:$(ck peagle_markov),name:peagle4_markov,num_draft:4}"
   drafts+=",{kind:head,checkpoint:$(ck dflash4_markov),name:dflash_b4_markov,num_draft:3}"
+fi
+if [ "$DSPARK" = 1 ]; then
+  drafts+=",{kind:head,checkpoint:$(ck dspark4),name:dspark_b4,num_draft:3}"
+  drafts+=",{kind:head,checkpoint:$(ck dspark4),name:dspark_b4_cut,num_draft:3,min_confidence:$CUT}"
 fi
 if [ "$TREES" = 1 ]; then  # 6 nodes each, top-2 children: the chain's tree against the blocks'
   tree="scheme:tree,topk:2,total_tokens:6"
