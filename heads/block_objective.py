@@ -16,6 +16,10 @@ Position weights (head.position_weights):
          s_i = (1 - dpace_alpha) exp(-CE_i) + dpace_alpha (the draft's smoothed confidence,
          no gradient): a position counts as much as the accepted run it can still extend.
 The stats' loss_k is the position's mean CE (decay) or its mean weighted CE (dpace).
+
+With head.confidence_head the loss gains, per row k, confidence_weight x exp(-(k-1)/γ) x the
+mean BCE of the confidence head's logit against the row's acceptance rate Σ min(p, q) (the
+per-row statistic soft_ce already forms), on detached inputs; it is not in loss_k.
 """
 from __future__ import annotations
 

@@ -276,8 +276,8 @@ def test_tree_alpha_skips_depths_the_pruned_tree_never_reached(tiny_hf):
 
 def test_engines_only_call_the_drafter_interface():
     """No engine asks which drafter it holds or reads a drafter's private state."""
-    verbs = {"prefill", "draft_lengths", "begin_round", "step", "accept", "verified", "run", "grow", "drop",
-             "bind", "warm",
+    verbs = {"prefill", "draft_lengths", "begin_round", "step", "confidence", "accept", "verified",
+             "run", "grow", "drop", "bind", "warm",
              "aux_layers", "drafts_trees", "max_steps", "sync_free"}
     for name in ("spec_engine.py", "tree_engine.py"):
         tree = ast.parse((SPEC / name).read_text())

@@ -129,6 +129,12 @@ class ParallelHeadDrafter(_PrecomputedLaws, HeadDrafter):
 class BlockContextDrafter(_PrecomputedLaws, _HeadLogits, Drafter):
     """A DFlash head: context keys/values in its own paged cache, one block pass per round."""
 
+    # With a confidence head (head.confidence_head): the round's draft rows' features
+    # [L, B-1, H], its anchors [L], and the predicted acceptance [L] of the drafts last handed out
+    _feats: torch.Tensor | None = None
+    _anchor: torch.Tensor | None = None
+    _conf: torch.Tensor | None = None
+
     def __init__(self, head, num_pages: int, page_size: int, device, dtype,
                  cache_arch=None) -> None:
         """cache_arch: the arch of the context cache (default head.arch; under tensor
@@ -174,9 +180,6 @@ class BlockContextDrafter(_PrecomputedLaws, _HeadLogits, Drafter):
         layout = self._layout(reqs, [a + 1 for a in accepted],
                               [m + a + 1 for m, a in zip(n, accepted)])
         self._write_context(out.aux.index_select(0, flat), layout)
-
-    _feats: torch.Tensor | None = None  # [L, B-1, H] the round's draft rows (confidence head)
-    _conf: torch.Tensor | None = None  # [L] predicted acceptance of the drafts last handed out
 
     def begin_round(self, reqs, n):
         state, first = super().begin_round(reqs, n)
