@@ -126,7 +126,8 @@ def _target_rows(bundle: HeadBundle, ids: torch.Tensor) -> torch.Tensor:
 
 def read_dflash(path: Path, cfg: dict[str, Any]) -> HeadBundle:
     src = str(path)
-    if cfg.get("sample_from_anchor"):
+    # speculators' default: false for dflash, true for dspark (DeepSeek's convention)
+    if cfg.get("sample_from_anchor", cfg.get("speculators_model_type") == "dspark"):
         raise ValueError(f"{src}: sample_from_anchor=true (DSpark's variant: the anchor row "
                          "drafts too); our dflash head drafts from the mask rows only")
     layer = dict(cfg.get("transformer_layer_config") or {})

@@ -217,6 +217,18 @@ def test_export_round_trips_into_our_engine_with_identical_drafts(loaded, tmp_pa
     assert runs[0] == runs[1]
 
 
+def test_a_dspark_head_that_drafts_from_its_anchor_is_refused(loaded, tmp_path):
+    """DSpark's default is sample_from_anchor=true (the anchor row drafts too): a config that
+    leaves it out means that, which our head cannot run."""
+    save_head(_head(loaded, "dspark"), tmp_path / "ours")
+    out = export_head(tmp_path / "ours", "speculators", tmp_path / "spec")
+    raw = json.loads((out / "config.json").read_text())
+    del raw["sample_from_anchor"]
+    (out / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="sample_from_anchor=true"):
+        load_head(out, frozen_parts_of(loaded))
+
+
 def test_a_bias_that_spares_d1_is_refused_by_dspark(loaded, tmp_path):
     cfg = HeadConfig(type="dflash", num_steps=3, aux_layers=AUX, markov_rank=4)
     save_head(build_head(cfg, frozen_parts_of(loaded)), tmp_path / "ours")
