@@ -51,9 +51,9 @@ STATS = 8  # columns of the per-step stats (module docstring)
 
 def chain_step(rows: torch.Tensor, w: torch.Tensor, chain_match: torch.Tensor | None,
                chain_beta: torch.Tensor | None):
-    """One draft step's chain statistics. rows [N, 2]: per row (top-1 match, the target's
-    probability mass the draft shares with it, Σ min(p, q)); w [N]: row weights; chain_*: the previous step's
-    products (None at step 1). Returns (chain_match, chain_beta) [N] and the conditional
+    """One draft step's chain statistics. rows [N, 2]: per row (top-1 match, the probability
+    mass the draft shares with the target, Σ min(p, q)); w [N]: row weights; chain_*: the
+    previous step's products (None at step 1). Returns (chain_match, chain_beta) [N] and the conditional
     sums [4]: (all steps matched, earlier steps matched, survival, earlier survival)."""
     match, beta = rows[:, 0] * w, rows[:, 1] * w
     prior_m = w if chain_match is None else chain_match * w

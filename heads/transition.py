@@ -17,11 +17,11 @@ d_1 keeps the pass's own law (its previous token, the last verified one, is the 
 anchor or the chain step's input already), unless head.markov_first (DFlash): then d_1 is
 biased from the anchor too, as DSpark's Markov head is, and U holds a row for every target
 token, since the anchor can be any (the table speculators' "dspark" format stores). W starts
-at zero, so a head starts as the same head without the bias. In training d_{k-1} is the data's token x_{k-1} (teacher forcing: a draft
-counts only when every draft before it was accepted, i.e. equal to the data's token under
-greedy self-distillation); in the engine it is the drawn draft, so the law each draft is
-drawn from (and verified against) is computed after the token before it: lossless as any
-chain.
+at zero, so a head starts as the same head without the bias. In training d_{k-1} is the
+data's token x_{k-1} (teacher forcing: a draft counts only when every draft before it was
+accepted, i.e. equal to the data's token under greedy self-distillation); in the engine it
+is the drawn draft, so the law each draft is drawn from (and verified against) is computed
+after the token before it: lossless as any chain.
 
 Training folds the bias into the lm_head product: [features ; U[prev]] @ [lm_head ; W]^T is
 the biased logits, and heads/loss.py's chunked soft CE takes W as extra weight columns

@@ -62,7 +62,8 @@ def export_head(checkpoint: str | Path, fmt: str, out: str | Path, *, verifier: 
         raise ValueError(f"output {out} is the checkpoint itself; export to another directory")
     bundle = read_foreign(checkpoint)
     module = check_format(bundle.cfg.type, fmt)
-    if bundle.cfg.markov_rank and not (fmt == "speculators" and bundle.cfg.type == "dflash"):
+    holds_bias = getattr(module, "holds_transition_bias", lambda cfg: False)
+    if bundle.cfg.markov_rank and not holds_bias(bundle.cfg):
         raise ValueError(f"{checkpoint}: head.markov_rank={bundle.cfg.markov_rank} (the in-block "
                          f"transition bias) has no place in format {fmt!r}; a dflash head's goes "
                          "to format 'speculators' (as DSpark's Markov head), other heads' stay in "

@@ -40,6 +40,12 @@ def default_verifier(bundle: HeadBundle) -> str | None:
     return t.get("path") if t.get("source") == "hf" else t.get("name")
 
 
+def holds_transition_bias(cfg) -> bool:
+    """Whether a head's in-block transition bias has a place here: a dflash head's, as
+    DSpark's Markov head (export_dflash checks it biases d_1 as DSpark does)."""
+    return cfg.type == "dflash"
+
+
 def export(bundle: HeadBundle, out: Path, verifier: str | None = None) -> Path:
     """eagle3 -> "eagle3" (or "peagle" with head.parallel_drafting), dflash -> "dflash" (or
     "dspark" with the transition bias or the confidence head)."""

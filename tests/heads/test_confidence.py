@@ -1,6 +1,7 @@
 """DSpark's confidence head on a DFlash head (head.confidence_head, heads/dflash.py): its loss
-against a per-row loop (BCE of the logit against the draft's acceptance rate Σ min(p, q)), and that it only learns to read the drafter: every other weight gets the gradient of
-the same head without it."""
+against a per-row loop (BCE of the logit against the draft's acceptance rate Σ min(p, q)),
+and that it only learns to read the drafter: every other weight gets the gradient of the
+same head without it."""
 from __future__ import annotations
 
 import pytest
