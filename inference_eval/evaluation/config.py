@@ -21,6 +21,7 @@ from inference_eval.engine.target import TargetConfig
 
 DRAFT_KINDS = ("none", "head", "llm", "lookup")
 SCHEMES = ("chain", "tree")
+CONFIDENCE_CUTS = ("draft", "prefix")
 BASELINE_LABEL = "ar"
 
 
@@ -64,6 +65,10 @@ class DraftConfig:
     # Chains: a request stops drafting at the first draft whose law puts less than this on its
     # most likely token (0: always num_draft); EAGLE-2's confidence cut, for a line.
     min_confidence: float = 0.0
+    # What min_confidence is compared with: "draft", each draft's own confidence; "prefix",
+    # the product of the round's confidences up to this draft (the estimated chance that all
+    # of them are accepted, the stopping rule of DSpark's scheduler and SpecDec++).
+    confidence_cut: str = "draft"
 
     def __post_init__(self) -> None:
         if self.kind == "lookup":
@@ -105,6 +110,12 @@ class DraftConfig:
         if self.min_confidence > 0 and (self.scheme != "chain" or self.kind in ("none", "lookup")):
             raise ValueError("draft.min_confidence cuts model-drafted chains: use it with "
                              "draft=head or llm and scheme=chain (a tree prunes by its own scores)")
+        if self.confidence_cut not in CONFIDENCE_CUTS:
+            raise ValueError(f"draft.confidence_cut={self.confidence_cut!r}: use one of "
+                             f"{CONFIDENCE_CUTS}")
+        if self.confidence_cut != "draft" and self.min_confidence <= 0:
+            raise ValueError(f"draft.confidence_cut={self.confidence_cut} compares with "
+                             "draft.min_confidence: set it in (0, 1)")
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
             raise ValueError(f"draft.name must be a non-empty string or null, got {self.name!r}")
 

@@ -93,7 +93,8 @@ def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg,
         return TreeSpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.depth,
                               draft_cfg.topk, draft_cfg.total_tokens, lookahead=lookahead)
     return SpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.num_draft,
-                      lookahead=lookahead, min_confidence=getattr(draft_cfg, "min_confidence", 0.0))
+                      lookahead=lookahead, min_confidence=getattr(draft_cfg, "min_confidence", 0.0),
+                      confidence_cut=getattr(draft_cfg, "confidence_cut", "draft"))
 
 
 def build_tp_spec_engine(loaded: LoadedTarget, plan, tp, draft_cfg):

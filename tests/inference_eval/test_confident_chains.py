@@ -1,7 +1,8 @@
 """Chains cut by the draft's confidence (draft.min_confidence): a request stops drafting at
-the first draft whose law's top probability is below the threshold. Greedy output stays the
-autoregressive output, the sampled law stays the target's, and the cut drafts are the
-unlikely ones (the acceptance rate of what is proposed rises)."""
+the first draft whose law's top probability is below the threshold (confidence_cut=prefix:
+whose product with the round's earlier ones is). Greedy output stays the autoregressive
+output, the sampled law stays the target's, and the cut drafts are the unlikely ones (the
+acceptance rate of what is proposed rises)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -29,36 +30,59 @@ def _prompts(k, seed):
     return random_prompts(k, seed, 20, bos=None)
 
 
-def _chain(path, k, conf):
+def _chain(path, k, conf, cut="draft"):
     return SimpleNamespace(kind="head", checkpoint=path, num_draft=k, scheme="chain",
-                           min_confidence=conf)
+                           min_confidence=conf, confidence_cut=cut)
 
 
-def test_confidence_cut_is_lossless_and_cuts_the_unlikely_drafts(tiny_hf, tmp_path):
+def _fitted(tiny_hf, tmp_path):
+    """(loaded, prompts, params, autoregressive outputs, head dir): a head fitted on the first
+    half of the answers, confident (and right) there, unsure on the rest."""
     loaded = _loaded(tiny_hf)
     prompts = _prompts(4, seed=13)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     ar = LLMEngine(loaded.model, None, EngineConfig(**CFG)).generate(prompts, params, progress=False)
-    # Fitted on half of the answers: confident (and right) there, unsure on the rest.
     seqs = [p + r.token_ids[:10] for p, r in zip(prompts, ar)]
     save_head(fit_head_on(loaded, seqs), tmp_path / "h")
+    return loaded, prompts, params, ar, str(tmp_path / "h")
+
+
+class _Spy:
+    """Patches SpecEngine to record, per round, each draft step's rows' top probabilities
+    (computed here from the laws) and the cut's verdicts: rounds [[(tops, verdicts), ...]]."""
+
+    def __init__(self, mp: pytest.MonkeyPatch) -> None:
+        self.rounds: list[list[tuple[list[float], list[bool]]]] = []
+        propose, confident = SpecEngine._propose, SpecEngine._confident
+
+        def _propose(engine, *args):
+            self.rounds.append([])
+            return propose(engine, *args)
+
+        def _confident(engine, logits, live, run):
+            verdicts = confident(engine, logits, live, run)
+            self.rounds[-1].append((torch.softmax(logits.float(), -1).max(-1).values.tolist(),
+                                    verdicts))
+            return verdicts
+        mp.setattr(SpecEngine, "_propose", _propose)
+        mp.setattr(SpecEngine, "_confident", _confident)
+
+    def tops(self) -> torch.Tensor:
+        return torch.tensor([c for r in self.rounds for tops, _ in r for c in tops])
+
+
+def test_confidence_cut_is_lossless_and_cuts_the_unlikely_drafts(tiny_hf, tmp_path):
+    loaded, prompts, params, ar, head = _fitted(tiny_hf, tmp_path)
     # The tiny random target's laws are nearly flat (top probabilities ~0.01 over 320
     # tokens), so the cut sits at the median of this head's own confidences.
-    seen = []
-    real = SpecEngine._confident
-
-    def spy(self, logits, rows):
-        seen.extend(torch.softmax(logits.float(), -1).max(-1).values.tolist())
-        return real(self, logits, rows)
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(SpecEngine, "_confident", spy)
-        build_engine(loaded, EngineConfig(**CFG), _chain(str(tmp_path / "h"), 3, 0.0)).generate(
+        spy = _Spy(mp)
+        build_engine(loaded, EngineConfig(**CFG), _chain(head, 3, 1e-9)).generate(
             prompts, params, progress=False)
-    median = float(torch.tensor(seen).median())
+    median = float(spy.tops().median())
     stats = {}
     for conf in (0.0, median, 0.5):
-        eng = build_engine(loaded, EngineConfig(**CFG), _chain(str(tmp_path / "h"), 3, conf))
+        eng = build_engine(loaded, EngineConfig(**CFG), _chain(head, 3, conf))
         out = eng.generate(prompts, params, progress=False)
         assert [r.token_ids for r in out] == [r.token_ids for r in ar]
         rounds = [(p, a) for r in out for p, a in zip(r.meta["proposed"][1:], r.meta["accepted"][1:])]
@@ -69,6 +93,47 @@ def test_confidence_cut_is_lossless_and_cuts_the_unlikely_drafts(tiny_hf, tmp_pa
     assert a5 / p5 > a0 / p0  # what the cut removed was mostly rejected
     assert min(kinds5) < 3 and 3 in kinds5  # some rounds cut, some drafted all 3
     assert p1 == a1 == 0  # nothing is that sure here: plain decode steps
+
+
+def test_prefix_cut_stops_at_the_first_product_below_the_threshold(tiny_hf, tmp_path):
+    """confidence_cut=prefix, one prompt at a time: every round's proposals are what a replay
+    of the rule gives from the top probabilities its steps saw (drafts kept while the round's
+    running product reaches the threshold, the first one below it ends the round); some
+    round's cut comes from the product alone (every draft of it passes on its own); greedy
+    output is the autoregressive output, and at the same threshold the prefix cut proposes
+    fewer drafts than the per-draft cut, with more of them accepted."""
+    loaded, prompts, params, ar, head = _fitted(tiny_hf, tmp_path)
+    with pytest.MonkeyPatch.context() as mp:
+        spy = _Spy(mp)
+        build_engine(loaded, EngineConfig(**CFG), _chain(head, 3, 1e-9)).generate(
+            prompts, params, progress=False)
+    t = float(spy.tops().quantile(0.25))
+    totals, by_product = {}, 0
+    for cut in ("draft", "prefix"):
+        proposed = accepted = 0
+        for prompt, want in zip(prompts, ar):
+            with pytest.MonkeyPatch.context() as mp:
+                spy = _Spy(mp)
+                eng = build_engine(loaded, EngineConfig(**CFG), _chain(head, 3, t, cut))
+                (out,) = eng.generate([prompt], params, progress=False)
+            assert out.token_ids == want.token_ids
+            kept = []  # per round: the drafts the replayed rule keeps
+            for steps in spy.rounds:
+                prod, alone = 1.0, True
+                for s, ((c,), (verdict,)) in enumerate(steps):
+                    prod *= c
+                    alone = alone and c >= t
+                    assert verdict == ((prod if cut == "prefix" else c) >= t)
+                    if not verdict:  # the round's drafting ends at its first cut
+                        assert s == len(steps) - 1
+                        by_product += cut == "prefix" and alone
+                kept.append(sum(v for _, (v,) in steps))
+            assert out.meta["proposed"][1:] == kept
+            proposed += sum(kept)
+            accepted += sum(out.meta["accepted"][1:])
+        totals[cut] = (proposed, accepted)
+    (pd, ad), (pp, ap) = totals["draft"], totals["prefix"]
+    assert by_product > 0 and 0 < pp < pd and ap / pp > ad / pd
 
 
 def test_confidence_cut_keeps_the_sampled_law(tiny_hf, tmp_path):
@@ -99,4 +164,8 @@ def test_min_confidence_config_refusals():
         DraftConfig(kind="head", checkpoint="x", scheme="tree", min_confidence=0.5)
     with pytest.raises(ValueError, match="model-drafted chains"):
         DraftConfig(kind="lookup", min_confidence=0.5)
+    with pytest.raises(ValueError, match="use one of"):
+        DraftConfig(kind="head", checkpoint="x", min_confidence=0.5, confidence_cut="product")
+    with pytest.raises(ValueError, match="set it in"):
+        DraftConfig(kind="head", checkpoint="x", confidence_cut="prefix")
     assert DraftConfig(kind="head", checkpoint="x", lookup=True, min_confidence=0.5).min_confidence == 0.5

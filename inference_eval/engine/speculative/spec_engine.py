@@ -55,15 +55,21 @@ class SpecEngine(LLMEngine):
     k_key = "draft.num_draft"  # the config key of max_accepted, for errors
 
     def __init__(self, model, tokenizer, cfg: EngineConfig | None, make_drafter, max_accepted: int,
-                 lookahead: int | None = None, min_confidence: float = 0.0) -> None:
+                 lookahead: int | None = None, min_confidence: float = 0.0,
+                 confidence_cut: str = "draft") -> None:
         """make_drafter(num_pages, page_size, device, dtype) -> a Drafter on the engine's pages;
         max_accepted: the most draft tokens one round can accept (chain K, tree depth; the
         config key is draft.num_draft or draft.depth); lookahead: cache slots a round writes
         past the last token (default K + 1); min_confidence: a request's chain stops at the
-        first draft whose law's largest probability is below it (0: never)."""
+        first draft whose confidence (its law's largest probability, or the drafter's own)
+        is below it (0: never); confidence_cut "prefix": at the first whose product with the
+        round's confidences before it is below it."""
         if max_accepted < 1:
             raise ValueError(f"draft.num_draft must be >= 1, got {max_accepted}")
+        if confidence_cut not in ("draft", "prefix"):
+            raise ValueError(f"draft.confidence_cut={confidence_cut!r}: use draft or prefix")
         self.min_confidence = min_confidence
+        self.prefix_cut = confidence_cut == "prefix"
         super().__init__(model, tokenizer, cfg, lookahead=lookahead or max_accepted + 1)
         if max_accepted + 2 >= self.max_context:
             raise ValueError(f"draft.num_draft={max_accepted} does not fit the context "
@@ -258,21 +264,23 @@ class SpecEngine(LLMEngine):
         past the request's drafts; draft probs per request: the processed distribution each
         draft was drawn from, empty when greedy; the drafts each request has). Nothing is
         read back to the host here, except each step's confidences with min_confidence:
-        a request whose draft law's top probability falls below it keeps only the drafts
-        before that one (the cut depends on the draft alone, so verification stays lossless)."""
+        a request whose draft confidence (or, with the prefix cut, the round's product of
+        them so far) falls below it keeps only the drafts before that one (the cut depends
+        on the draft alone, so verification stays lossless)."""
         b, ks = len(reqs), list(ks)
         dtok = torch.zeros(b, kmax, dtype=torch.long, device=self.device)
         qs: list[list[torch.Tensor]] = [[] for _ in range(b)]
         live = [i for i in range(b) if ks[i] > 0]
         if not live:
             return dtok, qs, ks
+        run = [1.0] * b  # each request's product of this round's confidences (prefix cut)
         state, logits = self.drafter.begin_round([reqs[i] for i in live], [n[i] for i in live])
         for s in range(1, max(ks) + 1):
             probs = None
             if not greedy:
                 sub = SamplingTensors(st.temperature[live], st.top_k[live], st.top_p[live])
                 probs = processed_probs(logits, sub)
-            sure = self._confident(logits, len(live))
+            sure = self._confident(logits, live, run)
             tok = logits.argmax(-1) if greedy else sample_from_probs(probs, self.generator)
             for j, i in enumerate(live):
                 if not sure[j]:
@@ -297,16 +305,23 @@ class SpecEngine(LLMEngine):
                                               tok, state)
         return dtok, qs, ks
 
-    def _confident(self, logits: torch.Tensor, rows: int) -> list[bool]:
-        """Per row of one draft step (logits [L, V]): whether the draft model's own law, before
-        any sampling setting, puts min_confidence on its top token, or, for a drafter with a
-        learned confidence head, whether the head predicts at least min_confidence for the
-        draft's acceptance. The same test for greedy and sampled requests, so a request's cuts
-        do not depend on its batch; either reads the draft side only (lossless)."""
+    def _confident(self, logits: torch.Tensor, live: list[int], run: list[float]) -> list[bool]:
+        """Per row of one draft step (logits [L, V], row j of request live[j]): whether the
+        draft's confidence reaches min_confidence. The confidence is the draft model's own
+        law's top probability, before any sampling setting, or, for a drafter with a learned
+        confidence head, the head's predicted acceptance; with the prefix cut it is multiplied
+        into run[live[j]] (the request's product this round) and the product is tested. The
+        same test for greedy and sampled requests, so a request's cuts do not depend on its
+        batch; it reads the draft side only (lossless)."""
         if self.min_confidence <= 0:
-            return [True] * rows
+            return [True] * len(live)
         self.counters["host_syncs"] += 1
         top = self.drafter.confidence()
         if top is None:
             top = torch.softmax(logits.float(), -1).max(-1).values
-        return (top >= self.min_confidence).tolist()
+        conf = top.tolist()
+        if self.prefix_cut:
+            for j, i in enumerate(live):
+                run[i] *= conf[j]
+                conf[j] = run[i]
+        return [c >= self.min_confidence for c in conf]
