@@ -18,9 +18,10 @@ DEVICES = ("auto", "cpu", "cuda")
 class TrainDataConfig:
     """shards: precompute output_dir(s). online: no shards; the target runs in this job on
     the records of the `source` group (train/online.py, docs/online.md), with precompute's
-    settings for the same bits: hidden_dtype, aux ("auto": eagle3's layers for head=eagle3),
-    shard_tokens and forward_tokens (precompute's batch_tokens). cache_tokens: states of
-    records computed ahead of their micro-batch kept in memory (older ones are recomputed)."""
+    settings for the same bits: hidden_dtype, aux ("auto": eagle3's layers for the heads
+    that read auxiliary layers), shard_tokens and forward_tokens (precompute's batch_tokens).
+    cache_tokens: states of records computed ahead of their micro-batch kept in memory
+    (older ones are recomputed)."""
 
     shards: str = "runs/shards"
     batch_tokens: int = 8192  # packed tokens per micro-batch (per rank)

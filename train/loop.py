@@ -48,6 +48,10 @@ def prepare(cfg: TrainConfig, acc=None):
     head_cfg = cfg.head
     if head_cfg.reads_aux:
         if not store.aux_layers:
+            if cfg.data.online:
+                raise ValueError(f"head={head_cfg.type} needs auxiliary layers, but online "
+                                 f"training runs with data.aux={cfg.data.aux}: set "
+                                 "data.aux=auto or eagle3 (or layer ids)")
             raise ValueError(f"head={head_cfg.type} needs auxiliary layers, but {cfg.data.shards} was "
                              "precomputed with aux=none; precompute again with aux=eagle3")
         head_cfg = replace(head_cfg, aux_layers=store.aux_layers)

@@ -225,10 +225,11 @@ def stored_float(h, hidden_dtype: str, dtype: torch.dtype) -> torch.Tensor:
 
 
 def online_aux(cfg: TrainConfig) -> str:
-    """data.aux, with "auto": the EAGLE-3 layers for head=eagle3, none otherwise."""
+    """data.aux, with "auto": the EAGLE-3 layers for a head that reads auxiliary layers
+    (eagle3 and P-EAGLE, dflash), none otherwise."""
     if cfg.data.aux != "auto":
         return cfg.data.aux
-    return "eagle3" if cfg.head.type == "eagle3" else "none"
+    return "eagle3" if cfg.head.reads_aux else "none"
 
 
 def distill_config(cfg: TrainConfig) -> DistillConfig:

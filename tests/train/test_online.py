@@ -64,16 +64,21 @@ def source(chats: Path, *extra: str) -> list[str]:
             *extra]
 
 
-@pytest.mark.parametrize("target,nproc", [(TINY, 1), (TINY, 2), (["target=smollm2"], 1)],
-                         ids=["tiny-1rank", "tiny-2ranks", "smollm2-1rank"])
-def test_online_equals_training_from_shards(chats, tmp_path, target, nproc):
+@pytest.mark.parametrize("target,nproc,head", [
+    (TINY, 1, []), (TINY, 2, []), (["target=smollm2"], 1, []),
+    (TINY, 1, ["head=dflash", "head.num_steps=3", "head.markov_rank=4"])],
+    ids=["tiny-1rank", "tiny-2ranks", "smollm2-1rank", "tiny-dflash"])
+def test_online_equals_training_from_shards(chats, tmp_path, target, nproc, head):
+    """The dflash case reads auxiliary layers: online, data.aux=auto captures the EAGLE-3
+    layers it needs (the shards are precomputed with aux=eagle3)."""
     shards = tmp_path / "shards"
+    aux = ["aux=eagle3"] if head else []
     ok(run("precompute", *target, "data=jsonl", f"data.path={chats}", "data.max_length=200",
-           "data.limit=6", "shard_tokens=700", "batch_tokens=400", "progress=false",
+           "data.limit=6", "shard_tokens=700", "batch_tokens=400", "progress=false", *aux,
            f"output_dir={shards}"))
-    ok(run("train", *target, *TRAIN, f"data.shards={shards}", f"output_dir={tmp_path / 'off'}",
-           nproc=nproc))
-    proc = ok(run("train", *target, *TRAIN, *PACK, *source(chats, "source.limit=6"),
+    ok(run("train", *target, *TRAIN, *head, f"data.shards={shards}",
+           f"output_dir={tmp_path / 'off'}", nproc=nproc))
+    proc = ok(run("train", *target, *TRAIN, *PACK, *head, *source(chats, "source.limit=6"),
                   f"output_dir={tmp_path / 'on'}", nproc=nproc))
     assert "no hidden states written" in proc.stdout
     same_head(tmp_path / "off", tmp_path / "on")
@@ -135,3 +140,12 @@ def test_a_warm_start_head_of_another_target_stops_before_training(chats, tmp_pa
     lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and "trainer.init_from" in lines[0] and "other target" in lines[0]
     assert "online data" not in proc.stdout  # stopped before the target ran over the data
+
+
+def test_an_aux_head_online_without_aux_layers_stops_with_one_line(chats, tmp_path):
+    proc = run("train", *TINY, *TRAIN, "head=dflash", "data.aux=none",
+               *source(chats, "source.limit=2"), f"output_dir={tmp_path / 'o'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "data.aux=none" in lines[0] and "data.aux=auto" in lines[0]
+    assert not (tmp_path / "o" / "checkpoints").exists()
