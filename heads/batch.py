@@ -15,15 +15,19 @@ import torch
 @dataclass
 class PackedBatch:
     """input_ids [N] int64, hidden [N, H] (target, pre-norm), aux [N, A, H] or None,
-    loss_mask [N] bool, seq_lens: lengths of the S packed sequences (sum N)."""
+    loss_mask [N] bool, seq_lens: lengths of the S packed sequences (sum N). draw_seed: the
+    seed of the objective's random draws for this batch (a block drafter's anchors); training
+    derives it from the run's seed and the micro-batch's global index (train/data.py), so
+    ranks, gradient accumulation and resumed runs draw alike; None: the global generator."""
 
     input_ids: torch.Tensor
     hidden: torch.Tensor
     loss_mask: torch.Tensor
     seq_lens: list[int]
     aux: torch.Tensor | None = None
+    draw_seed: int | None = None
 
     def to(self, device, dtype=None) -> "PackedBatch":
         f = (lambda t: None if t is None else t.to(device, dtype))
         return PackedBatch(self.input_ids.to(device), f(self.hidden), self.loss_mask.to(device),
-                           self.seq_lens, f(self.aux))
+                           self.seq_lens, f(self.aux), self.draw_seed)

@@ -2,8 +2,9 @@
 
 Anchors: a position a of a sequence (length n) can anchor a block when its first label exists
 and counts: a + 1 < n and loss_mask[a + 1]. Training draws up to head.anchors_per_seq of them
-per sequence at random (the global generator, seeded by training); eval mode (validation)
-takes every one, so its numbers do not depend on a draw.
+per sequence at random, from the micro-batch's own seed (PackedBatch.draw_seed: the same
+blocks whatever the ranks, accumulation or resumes); eval mode (validation) takes every one,
+so its numbers do not depend on a draw.
 
 Block row k = 1..K of the anchor at global index g predicts x_{g+k} with the soft label
 p_{g+k-1} (heads/dflash.py's table), valid when it lies inside the sequence and
@@ -46,16 +47,18 @@ def anchor_candidates(batch: PackedBatch) -> torch.Tensor:
 
 def sample_anchors(batch: PackedBatch, per_seq: int | None) -> torch.Tensor:
     """Anchors [J] int64 (global packed indices, ascending): up to per_seq random candidates
-    of each sequence, or every candidate when per_seq is None."""
+    of each sequence (drawn on the host from batch.draw_seed, else the global generator), or
+    every candidate when per_seq is None."""
     ok = anchor_candidates(batch)
     if per_seq is None:
         return ok.nonzero().flatten()
+    g = None if batch.draw_seed is None else torch.Generator().manual_seed(batch.draw_seed)
     picked, start = [], 0
     for n in batch.seq_lens:
         cand = ok[start:start + n].nonzero().flatten() + start
         if cand.numel() > per_seq:
-            keep = torch.randperm(cand.numel(), device=cand.device)[:per_seq]
-            cand = cand[keep.sort().values]
+            keep = torch.randperm(cand.numel(), generator=g)[:per_seq]
+            cand = cand[keep.sort().values.to(cand.device)]
         picked.append(cand)
         start += n
     return torch.cat(picked)

@@ -117,6 +117,13 @@ def plan_epoch(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> 
     return [[order[j] for j in group] for group in groups]
 
 
+def draw_seed(seed: int, index: int) -> int:
+    """The seed of global micro-batch `index`'s random draws (PackedBatch.draw_seed): a pure
+    function of the run's seed and the index, so whichever rank or accumulation step takes
+    the micro-batch, and whether the run was resumed, it draws the same."""
+    return (seed << 40) + index
+
+
 def _dequant(s: Shard, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
     h = s.hidden[a:b].to(dtype)
     if s.hidden_scale is not None:
@@ -138,6 +145,7 @@ class MicroBatchStream:
         self.store, self.batch_tokens, self.seed = store, batch_tokens, seed
         self.rank, self.world = rank, world
         self._next = position + rank  # global index this rank takes next
+        self.last_index: int | None = None  # global index of the micro-batch next() gave
         self.epoch, self._epoch_start = 0, 0
         self._epoch_batches = store.batches(batch_tokens, seed, 0)
 
@@ -146,7 +154,9 @@ class MicroBatchStream:
         return self._next - self.rank
 
     def next(self) -> list[int]:
-        idx = self._next
+        """The sequence indices of this rank's next micro-batch; its global index is then
+        `last_index`."""
+        idx = self.last_index = self._next
         self._next += self.world
         while idx >= self._epoch_start + len(self._epoch_batches):
             self._epoch_start += len(self._epoch_batches)

@@ -16,7 +16,7 @@ from heads.registry import build_head
 from heads.vocab import build_draft_vocab
 from inference_eval.engine.target import load_target
 from train.config import TrainConfig
-from train.data import MicroBatchStream, ShardStore
+from train.data import MicroBatchStream, ShardStore, draw_seed
 from train.distributed import make_accelerator
 from train.full_state import FullState
 from train.logging import MetricLogger
@@ -155,7 +155,8 @@ def train(cfg: TrainConfig) -> dict:
             head.cfg.num_steps = k
             window, micro = torch.zeros(k, STATS), 0
         for _ in range(oc.grad_accum):
-            batch = store.collate(stream.next()).to(acc.device)
+            batch = store.collate(stream.next())
+            batch = replace(batch, draw_seed=draw_seed(tc.seed, stream.last_index)).to(acc.device)
             # accelerate divides the loss by grad_accum (DeepSpeed's engine does it itself) and
             # skips the gradient all-reduce on all but the last micro-batch of the step.
             with acc.accumulate(model), acc.autocast():

@@ -32,9 +32,10 @@ COMMON = [*TARGET, "trainer.wandb=disabled", "validation.enabled=false", "traine
 
 
 def write_test_shards(out: Path, target_overrides=(), num_shards: int = 2, seqs: int = 30,
-                      seed: int = 0) -> Path:
+                      seed: int = 0, aux_layers: tuple[int, ...] = ()) -> Path:
     """Shards + manifest as precompute writes them, for the composed tiny target: random
-    sequences of 8..39 tokens, bf16 hidden states [N, 64]. Returns `out`."""
+    sequences of 8..39 tokens, bf16 hidden states [N, 64] (and, with aux_layers, random aux
+    states [N, A, 64] of those layers, as precompute aux=... writes them). Returns `out`."""
     target = compose("train", TrainConfig, [*TARGET, *target_overrides]).target
     identity = load_target(target, with_tokenizer=False).identity
     out.mkdir(parents=True, exist_ok=True)
@@ -46,13 +47,16 @@ def write_test_shards(out: Path, target_overrides=(), num_shards: int = 2, seqs:
         shard = Shard(input_ids=torch.randint(0, 300, (n,), generator=g),
                       loss_mask=(torch.rand(n, generator=g) > 0.3).to(torch.uint8),
                       hidden=torch.randn(n, 64, generator=g).bfloat16(),
-                      cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]))
+                      cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
+                      aux_hidden=torch.randn(n, len(aux_layers), 64, generator=g).bfloat16()
+                      if aux_layers else None)
         name = f"shard_{k:05d}.safetensors"
         digest = write_shard(out / name, shard)
         entries.append(ShardEntry(file=name, sha256=digest, sequences=seqs, tokens=n,
                                   loss_tokens=int(shard.loss_mask.sum()), index=k))
     Manifest(target=dict(identity), tokenizer={}, hidden_dtype="bfloat16", hidden_size=64,
-             aux_layers=[], plan_hash="test", num_planned_shards=num_shards, shards=entries,
+             aux_layers=list(aux_layers), plan_hash="test", num_planned_shards=num_shards,
+             shards=entries,
              complete=True).save(out / "manifest.json")
     return out
 
@@ -61,6 +65,12 @@ def write_test_shards(out: Path, target_overrides=(), num_shards: int = 2, seqs:
 def shards(tmp_path_factory) -> Path:
     """~1.4k tokens in two shards: 11-12 micro-batches of 128 tokens per epoch."""
     return write_test_shards(tmp_path_factory.mktemp("shards") / "s")
+
+
+@pytest.fixture(scope="session")
+def aux_shards(tmp_path_factory) -> Path:
+    """The same sequences as `shards`, with aux states of layers 0 and 1 (block drafters)."""
+    return write_test_shards(tmp_path_factory.mktemp("aux_shards") / "s", aux_layers=(0, 1))
 
 
 @pytest.fixture(scope="session")

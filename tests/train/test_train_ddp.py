@@ -13,8 +13,15 @@ from safetensors.torch import load_file
 STEPS = 7  # 14 micro-batches: past the first epoch's 11-12, the orders coincide there too
 
 
-def test_two_ranks_match_one_process_with_grad_accum(shards, common, run_train, metrics, tmp_path):
-    args = [*common, f"data.shards={shards}", f"trainer.max_steps={STEPS}",
+# dflash: a block drafter's random anchors (4 of each sequence's candidates, of which most
+# sequences here have more) are drawn from their micro-batch's own seed, so ranks and
+# accumulation draw the same blocks.
+@pytest.mark.parametrize("head", [[], ["head=dflash", "head.num_steps=3", "head.anchors_per_seq=4"]],
+                         ids=["mtp", "dflash"])
+def test_two_ranks_match_one_process_with_grad_accum(shards, aux_shards, common, run_train,
+                                                     metrics, tmp_path, head):
+    data = aux_shards if head else shards
+    args = [*common, *head, f"data.shards={data}", f"trainer.max_steps={STEPS}",
             f"trainer.save_every={STEPS}"]
     ddp = run_train(*args, f"output_dir={tmp_path / 'ddp'}", "trainer.strategy=ddp", nproc=2)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
