@@ -22,14 +22,14 @@ from inference_eval.engine.model.linear import matmul_wt
 from inference_eval.engine.model.rope import arch_rope_tables
 
 
-def head_arch(target: ModelArch, moe: bool = False) -> ModelArch:
-    """The arch of a head's one decoder layer: the target's attention (GQA, or MLA for
-    DeepSeek) with, by default, a dense SwiGLU MLP of the target's intermediate_size (a
-    DeepSeek target's routed experts dropped, even when its layer 0 is an MoE layer). moe:
-    the layer is an MoE layer with the target's experts, router and shared experts (layer 0
-    of a one-layer arch whose first_k_dense_replace is 0)."""
+def head_arch(target: ModelArch, moe: bool = False, num_layers: int = 1) -> ModelArch:
+    """The arch of a head's decoder layers (one unless num_layers says more): the target's
+    attention (GQA, or MLA for DeepSeek) with, by default, a dense SwiGLU MLP of the target's
+    intermediate_size (a DeepSeek target's routed experts dropped, even when its layer 0 is
+    an MoE layer). moe: the one layer is an MoE layer with the target's experts, router and
+    shared experts (layer 0 of a one-layer arch whose first_k_dense_replace is 0)."""
     if not moe:
-        return replace(target, num_layers=1, n_routed_experts=0)
+        return replace(target, num_layers=num_layers, n_routed_experts=0)
     if target.n_routed_experts == 0:
         raise ValueError(f"head.moe=true: the target ({target.architecture}) has no routed "
                          "experts for the head's layer to copy; use head.moe=false (a dense MLP)")
@@ -53,7 +53,7 @@ class DraftHead(nn.Module):
         required when cfg.draft_vocab_size is set."""
         super().__init__()
         self.cfg = cfg
-        self.arch = head_arch(parts.arch, cfg.moe)
+        self.arch = head_arch(parts.arch, cfg.moe, cfg.num_layers)
         self.target_identity = parts.identity
         self.register_buffer("embed", parts.embed.detach(), persistent=False)
         self.frozen = FrozenHead(parts)
@@ -97,6 +97,12 @@ class DraftHead(nn.Module):
         [T, H] for step k+1, features [T, H] for the lm_head). ctx: the attention context
         (RolloutContext in training, StepContext in the engine); None when not `attends`."""
         raise NotImplementedError
+
+    @property
+    def decoder_layers(self) -> list[nn.Module]:
+        """The head's decoder layers in order; layer i's keys and values are layer i of its
+        KV cache (what tensor parallelism splits). Heads that attend have `layer`."""
+        return [self.layer]
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -51,7 +51,9 @@ class HeadConfig:
       shapes and routing (DeepSeek-V3/R1's own MTP layer is one); needs a target with routed
       experts. False (default): a dense SwiGLU MLP of the target's intermediate_size.
     Block drafters (docs/block_drafters.md):
-    num_layers: dflash's decoder layers (the other heads have one).
+    num_layers: the decoder layers of a dflash or eagle3 head (P-EAGLE's too; the other
+      heads have one). An eagle3 head's first layer reads [embedding ; hidden], the others
+      are plain decoder layers on its output (speculators' multi-layer EAGLE-3 and P-EAGLE).
     mask_token_id: the token filling a block's draft positions (dflash, and eagle3 with
       parallel_drafting); None = the target's last vocabulary id.
     parallel_drafting: eagle3 only (P-EAGLE): steps 2..K read the mask token and a learned
@@ -125,9 +127,10 @@ class HeadConfig:
         self._check_block_keys()
 
     def _check_block_keys(self) -> None:
-        if self.num_layers < 1 or (self.num_layers != 1 and self.type != "dflash"):
+        if self.num_layers < 1 or (self.num_layers != 1 and self.type not in ("dflash", "eagle3")):
             raise ValueError(f"head.num_layers={self.num_layers}: must be >= 1, and only "
-                             f"head.type=dflash has more than one layer (head.type={self.type!r})")
+                             f"head.type=dflash and eagle3 (P-EAGLE too) have more than one "
+                             f"layer (head.type={self.type!r})")
         if self.parallel_drafting and self.type != "eagle3":
             raise ValueError(f"head.parallel_drafting=true is P-EAGLE, an eagle3 head; "
                              f"head.type={self.type!r}")

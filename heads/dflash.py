@@ -82,6 +82,10 @@ class DFlashHead(DraftHead):
             nn.Linear, h + cfg.markov_rank, 1, bias=True)
 
     @property
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    @property
     def block_size(self) -> int:
         """B: the anchor row and K mask rows (head.num_steps when built)."""
         return self._block

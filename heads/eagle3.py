@@ -3,7 +3,13 @@
     step 1: g_t = fc([a1_t; a2_t; a3_t])   (A*H -> H) from the target's auxiliary layers
     later : g = the previous step's output
     x = [input_norm(E[x_{t+1}]); hidden_norm(g)]  (2H) -> attention; residual = g
-    o = g + attn(x); o = o + mlp(post_norm(o));   logits = lm_head(final_norm(o))
+    o = g + attn(x); o = o + mlp(post_norm(o))
+    head.num_layers > 1: o = layer_i(o) for the plain decoder layers i = 1..N-1 after it
+    logits = lm_head(final_norm(o)); o is the next step's g
+
+The plain layers (`deep_layers`, checkpoint names deep_layers.{i-1}.*) are speculators'
+multi-layer EAGLE-3 and P-EAGLE (whose published heads have several): each has its own keys
+and values, layer i of the head's KV cache.
 
 With draft_vocab_size set, the head has its own lm_head over the V_draft most frequent
 loss-masked target tokens (t2d: target ids kept; d2t: draft id -> target id), initialized as
@@ -41,10 +47,15 @@ class Eagle3Head(DraftHead):
         self.input_norm = RMSNorm(h, a.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, a.rms_norm_eps)
         self.layer = DecoderLayer(a, 0, input_norm=False, attn_in_features=2 * h)
+        self.deep_layers = nn.ModuleList(DecoderLayer(a, i) for i in range(1, cfg.num_layers))
         self.final_norm = RMSNorm(h, a.rms_norm_eps)
         if cfg.parallel_drafting:
             self.mask_id = mask_token(cfg, a.vocab_size)
             self.mask_hidden = nn.Parameter(parts.lm_head.new_empty(n_aux * h))
+
+    @property
+    def decoder_layers(self) -> list[nn.Module]:
+        return [self.layer, *self.deep_layers]
 
     @property
     def drafting(self) -> str:
@@ -62,8 +73,7 @@ class Eagle3Head(DraftHead):
         if k > 1 and self.cfg.parallel_drafting:
             return self.mask_step(tokens.shape[0], ctx)
         x = torch.cat([self.input_norm(self.embed_tokens(tokens)), self.hidden_norm(hidden_in)], -1)
-        o = self.layer(x, ctx, residual=hidden_in)
-        return o, self.final_norm(o)
+        return self._rest(self.layer(x, ctx, residual=hidden_in), ctx)
 
     def mask_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """P-EAGLE: the input every step k >= 2 row shares -> (x [1, 2H], the mask token's
@@ -78,5 +88,11 @@ class Eagle3Head(DraftHead):
         the engine computes once per drafter (its weights are fixed there), else now."""
         x, g = self.mask_inputs() if inputs is None else inputs
         o = self.layer(x.expand(n, -1).contiguous(), ctx, residual=g.expand(n, -1).contiguous())
+        return self._rest(o, ctx)
+
+    def _rest(self, o: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first layer's output [n, H] through the plain layers -> (o, final_norm(o))."""
+        for layer in self.deep_layers:
+            o = layer(o, ctx)
         return o, self.final_norm(o)
 

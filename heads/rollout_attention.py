@@ -49,14 +49,15 @@ class RolloutPlan:
 class RolloutContext:
     """The AttentionContext a head layer sees during rollout step `step` (1-based).
 
-    `keys` accumulates (k, v) per step across calls, so one context object serves a whole
-    K-step rollout: call `next_step()` between steps.
+    `keys` accumulates each layer's (k, v) per step across calls, so one context object
+    serves a whole K-step rollout of a head of any number of layers: call `next_step()`
+    between steps.
     """
 
     def __init__(self, plan: RolloutPlan, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> None:
         self.plan, self._cos_table, self._sin_table = plan, rope_cos, rope_sin
         self.step = 1
-        self.keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.keys: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # layer -> steps
         self._set_rope()
 
     def _set_rope(self) -> None:
@@ -69,24 +70,25 @@ class RolloutContext:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]."""
-        return self._attend(q, k, v, None)
+        return self._attend(layer, q, k, v, None)
 
     def attend_latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int,
                       scale: float) -> torch.Tensor:
         """MLA (model/mla.py) as multi-query attention: q [T, heads, D], latent [T, 1, D]
         (this step's rows [c_kv ; k_pe]) -> [T, heads, v_dim]; the values are the rows' first
         v_dim columns, as in the engine's latent cache (attention/mla_torch.py)."""
-        return self._attend(q, latent, latent[..., :v_dim], scale)
+        return self._attend(layer, q, latent, latent[..., :v_dim], scale)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: float | None) -> torch.Tensor:
         p = self.plan
-        self.keys.append((k, v))
+        keys = self.keys.setdefault(layer, [])
+        keys.append((k, v))
         heads, kvh = q.shape[1], k.shape[1]
         qp = p.pad(q).transpose(1, 2)  # [B, heads, Tmax, d]
-        ks = [p.pad(kk).transpose(1, 2) for kk, _ in self.keys]
-        vs = [p.pad(vv).transpose(1, 2) for _, vv in self.keys]
-        masks = [p.causal] + [p.diag] * (len(self.keys) - 1)
+        ks = [p.pad(kk).transpose(1, 2) for kk, _ in keys]
+        vs = [p.pad(vv).transpose(1, 2) for _, vv in keys]
+        masks = [p.causal] + [p.diag] * (len(keys) - 1)
         out = F.scaled_dot_product_attention(
             qp, torch.cat(ks, dim=2), torch.cat(vs, dim=2),
             attn_mask=torch.cat(masks, dim=2).unsqueeze(1), scale=scale,

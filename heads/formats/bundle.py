@@ -146,7 +146,8 @@ def cfg_from_stamp(stamp: dict[str, Any] | None, kind: str, **truth: Any) -> Hea
 
 
 def llama_layer_config(arch: ModelArch, **extra: Any) -> dict[str, Any]:
-    """HF LlamaConfig fields of a one-layer draft with the target's shapes and rope.
+    """HF LlamaConfig fields of a draft layer with the target's shapes and rope (one layer
+    unless `extra` sets num_hidden_layers).
 
     rope_theta/rope_scaling are the keys vLLM, SGLang and EAGLE read; transformers >= 5
     converts them to rope_parameters itself. A DeepSeek head's layer (latent attention) has

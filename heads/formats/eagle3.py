@@ -57,15 +57,22 @@ def vocab_maps(ids: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:
     return {"d2t": ids - torch.arange(ids.numel()), "t2d": t2d}
 
 
+def deep_layer_names(num_layers: int) -> list[tuple[str, str]]:
+    """(our prefix, speculators' prefix) of a multi-layer head's plain layers 1..N-1."""
+    return [(f"deep_layers.{i - 1}.", f"layers.{i}.") for i in range(1, num_layers)]
+
+
 def to_tensors(bundle: HeadBundle, layer_prefix: str) -> dict[str, torch.Tensor]:
-    """Our eagle3 state -> EAGLE-3 tensor names (the layer under `layer_prefix`)."""
+    """Our eagle3 state -> EAGLE-3 tensor names (the first layer under `layer_prefix`, the
+    plain layers of a multi-layer head under speculators' `layers.{i}.`)."""
     s = dict(bundle.state)
     out = {"fc.weight": s.pop("fc.weight"), "norm.weight": s.pop("final_norm.weight"),
            f"{layer_prefix}input_layernorm.weight": s.pop("input_norm.weight"),
            f"{layer_prefix}hidden_norm.weight": s.pop("hidden_norm.weight")}
-    layer = layer_to_hf(s, "layer.", layer_prefix, bundle.arch)
-    out.update(layer)
-    for k in [k for k in s if k.startswith("layer.")]:
+    out.update(layer_to_hf(s, "layer.", layer_prefix, bundle.arch))
+    for ours, theirs in deep_layer_names(bundle.cfg.num_layers):
+        out.update(layer_to_hf(s, ours, theirs, bundle.arch))
+    for k in [k for k in s if k.startswith(("layer.", "deep_layers."))]:
         s.pop(k)
     if "draft_lm_head" in s:
         out["lm_head.weight"] = s.pop("draft_lm_head")
@@ -77,8 +84,9 @@ def to_tensors(bundle: HeadBundle, layer_prefix: str) -> dict[str, torch.Tensor]
 def from_tensors(tensors: dict[str, torch.Tensor], layer_prefix: str, bundle: HeadBundle,
                  fmt: str, declared_vocab: int | None) -> None:
     """EAGLE-3 tensors -> bundle.state (our names), bundle.embed and the draft vocabulary size
-    in bundle.cfg; refuses any tensor left over. `declared_vocab`: the config's
-    draft_vocab_size (None or V = full vocabulary unless an lm_head is present)."""
+    in bundle.cfg (whose num_layers says how many layers to read); refuses any tensor left
+    over. `declared_vocab`: the config's draft_vocab_size (None or V = full vocabulary unless
+    an lm_head is present)."""
     t, src, v = dict(tensors), bundle.source, bundle.arch.vocab_size
     need = ["fc.weight", "norm.weight", f"{layer_prefix}input_layernorm.weight",
             f"{layer_prefix}hidden_norm.weight"]
@@ -89,6 +97,11 @@ def from_tensors(tensors: dict[str, torch.Tensor], layer_prefix: str, bundle: He
              "input_norm.weight": t.pop(f"{layer_prefix}input_layernorm.weight"),
              "hidden_norm.weight": t.pop(f"{layer_prefix}hidden_norm.weight")}
     state.update(layer_from_hf(t, layer_prefix, "layer.", bundle.arch, src))
+    for ours, theirs in deep_layer_names(bundle.cfg.num_layers):
+        if f"{theirs}self_attn.o_proj.weight" not in t:
+            raise ValueError(f"{src}: its config declares {bundle.cfg.num_layers} draft layers, "
+                             f"but {theirs}* is missing")
+        state.update(layer_from_hf(t, theirs, ours, bundle.arch, src))
     bundle.embed = t.pop("embed_tokens.weight", None)
     d2t, t2d, lm_head = t.pop("d2t", None), t.pop("t2d", None), t.pop("lm_head.weight", None)
     refuse_unused(t, src, fmt)
@@ -127,6 +140,10 @@ def export(bundle: HeadBundle, out: Path, verifier: str | None = None) -> Path:
     if bundle.cfg.parallel_drafting:
         raise ValueError("format 'eagle3' has no P-EAGLE variant (mask_hidden); export a "
                          "head.parallel_drafting head to format 'speculators' (peagle)")
+    if bundle.cfg.num_layers > 1:
+        raise ValueError(f"format 'eagle3' holds one draft layer (midlayer), this head has "
+                         f"{bundle.cfg.num_layers}; export it to format 'speculators', whose "
+                         "EAGLE-3 has any number")
     check_expressible(bundle, NAME)
     tensors = to_tensors(bundle, LAYER_PREFIX)
     reduced = "lm_head.weight" in tensors

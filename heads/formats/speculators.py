@@ -4,9 +4,10 @@ and the block drafters DFlash and P-EAGLE (speculators_block.py).
     config.json        speculators_model_type "eagle3", speculators_config {algorithm,
                        proposal_methods [greedy, speculative_tokens = our num_steps],
                        verifier {name_or_path, architectures}}, transformer_layer_config
-                       (a one-layer LlamaConfig), draft_vocab_size (V when full),
-                       norm_before_residual false, eagle_aux_hidden_state_layer_ids
-    model.safetensors  EAGLE-3 tensors (see eagle3.py) with the layer under `layers.0.`
+                       (a LlamaConfig of head.num_layers layers), draft_vocab_size (V when
+                       full), norm_before_residual false, eagle_aux_hidden_state_layer_ids
+    model.safetensors  EAGLE-3 tensors (see eagle3.py) with the first layer under `layers.0.`
+                       and a multi-layer head's plain layers under `layers.{i}.`
 
 vLLM fills a missing norm_before_residual with TRUE, so it is always written. Heads other
 than eagle3 have no speculators type vLLM serves with our layout (its `mtp` type is the
@@ -75,8 +76,9 @@ def _export_eagle3(bundle: HeadBundle, out: Path, verifier: str | None) -> Path:
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": [a.architecture]},
         },
-        "transformer_layer_config": llama_layer_config(a, torch_dtype=dtype_name(tensors),
-                                                       tie_word_embeddings=False),
+        "transformer_layer_config": llama_layer_config(
+            a, torch_dtype=dtype_name(tensors), tie_word_embeddings=False,
+            num_hidden_layers=bundle.cfg.num_layers),
         "draft_vocab_size": tensors["lm_head.weight"].shape[0] if "lm_head.weight" in tensors
         else a.vocab_size,
         "norm_before_residual": False,
@@ -113,9 +115,8 @@ def read(path: Path) -> HeadBundle:
     if on:
         raise ValueError(f"{src}: {on} set; our eagle3 head has no such variant")
     layer = cfg.get("transformer_layer_config") or {}
-    if layer.get("num_hidden_layers", 1) != 1:
-        raise ValueError(f"{src}: {layer['num_hidden_layers']} draft layers; our eagle3 head "
-                         "has one")
+    if any(t == "sliding_attention" for t in layer.get("layer_types") or []):
+        raise ValueError(f"{src}: sliding-window draft layers; our eagle3 layers attend fully")
     arch = arch_from_config(layer, src)
     if cfg.get("target_hidden_size") not in (None, arch.hidden_size):
         raise ValueError(f"{src}: target_hidden_size={cfg['target_hidden_size']} differs from the "
@@ -126,7 +127,7 @@ def read(path: Path) -> HeadBundle:
     steps = methods[0].get("speculative_tokens") or 1
     bundle = HeadBundle(
         cfg_from_stamp(cfg.get("specheads_head"), "eagle3", num_steps=steps, draft_vocab_size=None,
-                       aux_layers=eagle3.our_aux_ids(cfg.get("eagle_aux_hidden_state_layer_ids"),
+                       num_layers=int(layer.get("num_hidden_layers", 1)), aux_layers=eagle3.our_aux_ids(cfg.get("eagle_aux_hidden_state_layer_ids"),
                                                      src)),
         arch, cfg.get("specheads_target") or {"name": verifier, "path": verifier}, {}, src)
     tensors = read_tensors(path)

@@ -199,7 +199,7 @@ def test_config_refusals(parts):
     with pytest.raises(ValueError, match="head.parallel_drafting"):
         HeadConfig(type="mtp", parallel_drafting=True)
     with pytest.raises(ValueError, match="head.num_layers"):
-        HeadConfig(type="eagle3", num_layers=2)
+        HeadConfig(type="mtp", num_layers=2)
     with pytest.raises(ValueError, match="head.position_weights"):
         HeadConfig(type="dflash", position_weights="flat")
     with pytest.raises(ValueError, match="auxiliary layers"):

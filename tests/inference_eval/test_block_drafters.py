@@ -29,6 +29,8 @@ CFG = dict(attention="torch", page_size=4)
 AUX = [0, 1, 2]
 KINDS = {"dflash": dict(type="dflash", num_steps=3, num_layers=2),
          "peagle": dict(type="eagle3", num_steps=3, parallel_drafting=True),
+         # a fused first layer, then a plain decoder layer with its own keys and values
+         "peagle_2layers": dict(type="eagle3", num_steps=3, parallel_drafting=True, num_layers=2),
          # with the transition bias (heads/transition.py): d_k's law depends on d_{k-1}
          "dflash_markov": dict(type="dflash", num_steps=3, num_layers=2, markov_rank=8),
          "peagle_markov": dict(type="eagle3", num_steps=3, parallel_drafting=True, markov_rank=8),

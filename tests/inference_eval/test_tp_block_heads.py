@@ -1,9 +1,9 @@
 """Heads with a reduced draft vocabulary and block drafters at tensor-parallel size 2 (gloo
-ranks on the CPU, the tiny random Llama target): an EAGLE-3 chain over its own V_draft rows,
-an MTP chain over the target's frozen rows of a draft vocabulary, P-EAGLE (and its sync-free
-round) and DFlash (full and reduced vocabulary), chains and trees, are lossless (greedy =
-autoregressive), with drafts accepted, and accept per round exactly what the same drafter
-accepts at size 1."""
+ranks on the CPU, the tiny random Llama target): a two-layer EAGLE-3 chain over its own
+V_draft rows, an MTP chain over the target's frozen rows of a draft vocabulary, a two-layer
+P-EAGLE (and its sync-free round) and DFlash (full and reduced vocabulary), chains and trees,
+are lossless (greedy = autoregressive), with drafts accepted, and accept per round exactly
+what the same drafter accepts at size 1."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -32,9 +32,10 @@ MAX_NEW = [14, 9, 16, 12]
 V_DRAFT = 64  # of the tiny target's 320 tokens
 CHAIN = dict(kind="head", num_draft=3, scheme="chain")
 HEADS = {  # case -> (head config, reduced vocabulary)
-    "eagle3_reduced": (dict(type="eagle3"), True),
+    "eagle3_reduced": (dict(type="eagle3", num_layers=2), True),  # a two-layer chain
     "mtp_reduced": (dict(type="mtp"), True),
-    "peagle": (dict(type="eagle3", num_steps=3, parallel_drafting=True), False),
+    # two layers: a fused first layer, then a plain one, each split with its own KV heads
+    "peagle": (dict(type="eagle3", num_steps=3, parallel_drafting=True, num_layers=2), False),
     "dflash": (dict(type="dflash", num_steps=3, num_layers=2, anchors_per_seq=1000), False),
     "dflash_reduced": (dict(type="dflash", num_steps=3, num_layers=2, anchors_per_seq=1000),
                        True),
@@ -114,8 +115,10 @@ def test_block_pass_and_context_write_collectives(runs):
 
 
 def test_reduced_vocabulary_step_gathers_nothing(runs):
-    """The draft lm_head's V_draft rows are replicated: a head step is the broadcast and the
-    layer's collectives, no gather; its logits cover exactly the draft vocabulary."""
+    """The draft lm_head's V_draft rows are replicated: a head step is the broadcast, the
+    embedding's all-reduce and two per layer, no gather; its logits cover exactly the draft
+    vocabulary."""
     calls = runs[0]["eagle3_reduced"]["calls"]
-    assert calls["step"] == {"broadcast": 1, "all_reduce": 3}
+    layers = HEADS["eagle3_reduced"][0]["num_layers"]
+    assert calls["step"] == {"broadcast": 1, "all_reduce": 1 + 2 * layers}
     assert calls["finite"] == V_DRAFT

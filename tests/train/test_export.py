@@ -33,12 +33,13 @@ def target(tiny_hf):
     return d, load_frozen(TargetConfig(name="tiny-llama3", source="hf", path=str(d)))
 
 
-def make_head(kind: str, parts, reduced: bool = False, steps: int = 3, seed: int = 5):
+def make_head(kind: str, parts, reduced: bool = False, steps: int = 3, seed: int = 5,
+              layers: int = 1):
     """A head whose every trainable tensor is random (norms too), so a swapped or dropped
     tensor changes the logits."""
     vocab = torch.arange(3, V, 4) if reduced else None
     cfg = HeadConfig(type=kind, num_steps=steps, aux_layers=[0, 1, 2] if kind == "eagle3" else [],
-                     draft_vocab_size=None if vocab is None else vocab.numel())
+                     draft_vocab_size=None if vocab is None else vocab.numel(), num_layers=layers)
     head = build_head(cfg, parts, draft_vocab=vocab, seed=seed)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -77,15 +78,16 @@ def tensor_names(path: Path) -> set[str]:
     return names
 
 
-CASES = [("eagle3", "speculators", False), ("eagle3", "speculators", True),
-         ("eagle3", "eagle3", False), ("eagle3", "eagle3", True),
-         ("eagle1", "eagle1", False), ("mtp", "deepseek_mtp", False)]
+CASES = [("eagle3", "speculators", False, 1), ("eagle3", "speculators", True, 1),
+         ("eagle3", "speculators", True, 3),  # speculators' multi-layer EAGLE-3
+         ("eagle3", "eagle3", False, 1), ("eagle3", "eagle3", True, 1),
+         ("eagle1", "eagle1", False, 1), ("mtp", "deepseek_mtp", False, 1)]
 
 
-@pytest.mark.parametrize("kind,fmt,reduced", CASES)
-def test_round_trip_gives_identical_logits(kind, fmt, reduced, target, tmp_path):
+@pytest.mark.parametrize("kind,fmt,reduced,layers", CASES)
+def test_round_trip_gives_identical_logits(kind, fmt, reduced, layers, target, tmp_path):
     tdir, parts = target
-    head = make_head(kind, parts, reduced)
+    head = make_head(kind, parts, reduced, layers=layers)
     save_head(head, tmp_path / "ours")
     out = export_head(tmp_path / "ours", fmt, tmp_path / fmt, target_dir=tdir)
     assert detect_format(out) == fmt
@@ -225,6 +227,9 @@ def test_layers_the_engines_cannot_hold_are_refused(tiny_hf, target, tmp_path):
     for fmt in ("eagle3", "speculators"):
         with pytest.raises(ValueError, match="q/k/v bias"):
             export_head(tmp_path / "ours", fmt, tmp_path / fmt)
+    save_head(make_head("eagle3", target[1], layers=2), tmp_path / "deep")
+    with pytest.raises(ValueError, match="holds one draft layer.*'speculators'"):
+        export_head(tmp_path / "deep", "eagle3", tmp_path / "deep_e3")
     two_aux = build_head(HeadConfig(type="eagle3", aux_layers=[0, 2]), target[1])
     save_head(two_aux, tmp_path / "two")
     with pytest.raises(ValueError, match="exactly 3 auxiliary layers"):
@@ -252,6 +257,19 @@ def test_missing_files_and_tensors(target, tmp_path):
     weights.unlink()
     with pytest.raises(FileNotFoundError, match="safetensors"):
         import_head(out, parts)
+    # a speculators EAGLE-3 whose config declares more layers than its tensors hold
+    save_head(make_head("eagle3", parts, layers=2), tmp_path / "deep")
+    spec = export_head(tmp_path / "deep", "speculators", tmp_path / "deep_spec")
+    t = load_file(str(spec / "model.safetensors"))
+    save_file({k: v for k, v in t.items() if not k.startswith("layers.1.")},
+              str(spec / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"declares 2 draft layers, but layers\.1\.\* is missing"):
+        import_head(spec, parts)
+    cfg = json.loads((spec / "config.json").read_text())
+    cfg["transformer_layer_config"]["layer_types"] = ["sliding_attention", "full_attention"]
+    (spec / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="sliding-window draft layers"):
+        import_head(spec, parts)
     save_head(make_head("mtp", parts), tmp_path / "mtp")
     with pytest.raises(ValueError, match="target_dir"):
         export_head(tmp_path / "mtp", "deepseek_mtp", tmp_path / "m")  # mtp needs the target

@@ -45,7 +45,10 @@ def _head(loaded, kind: str, seed: int = 5):
            "dspark": HeadConfig(**dflash, **SPARK),
            "dspark_reduced": HeadConfig(**dflash, **SPARK, draft_vocab_size=DRAFT_VOCAB.numel()),
            "peagle": HeadConfig(type="eagle3", num_steps=3, aux_layers=AUX,
-                                parallel_drafting=True)}[kind]
+                                parallel_drafting=True),
+           # as published P-EAGLE heads: a fused first layer, then plain decoder layers
+           "peagle_3layers": HeadConfig(type="eagle3", num_steps=3, aux_layers=AUX,
+                                        parallel_drafting=True, num_layers=3)}[kind]
     head = build_head(cfg, frozen_parts_of(loaded), seed=seed,
                       draft_vocab=DRAFT_VOCAB if cfg.draft_vocab_size else None)
     g = torch.Generator().manual_seed(seed)
@@ -152,12 +155,13 @@ def test_speculators_dspark_reproduces_our_biased_logits_and_confidences(loaded,
         torch.testing.assert_close(model.lm_head.weight.detach(), target_rows.to(model.lm_head.weight.dtype))
 
 
-def test_speculators_peagle_reproduces_our_parallel_steps(loaded, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["peagle", "peagle_3layers"])
+def test_speculators_peagle_reproduces_our_parallel_steps(loaded, tmp_path, monkeypatch, kind):
     import speculators.models.peagle.core as peagle_core
     from speculators.losses import resolve_loss_config
     from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
 
-    head = _head(loaded, "peagle")
+    head = _head(loaded, kind)
     save_head(head, tmp_path / "ours")
     out = export_head(tmp_path / "ours", "speculators", tmp_path / "spec")
     raw = json.loads((out / "config.json").read_text())
@@ -165,6 +169,7 @@ def test_speculators_peagle_reproduces_our_parallel_steps(loaded, tmp_path, monk
     cfg = PEagleSpeculatorConfig.from_pretrained(str(out))
     cfg.transformer_layer_config._attn_implementation = "eager"
     model = _fill_verifier(PEagleDraftModel.from_pretrained(str(out), config=cfg).eval())
+    assert len(model.layers) == head.cfg.num_layers
 
     n, k = 9, 3
     ids, aux = _inputs(n)
@@ -192,7 +197,7 @@ def test_speculators_peagle_reproduces_our_parallel_steps(loaded, tmp_path, monk
         start += n - d
 
 
-@pytest.mark.parametrize("kind", ["dflash", "peagle", "dspark", "dspark_reduced"])
+@pytest.mark.parametrize("kind", ["dflash", "peagle", "peagle_3layers", "dspark", "dspark_reduced"])
 def test_export_round_trips_into_our_engine_with_identical_drafts(loaded, tmp_path, kind):
     head = _head(loaded, kind)
     save_head(head, tmp_path / "ours")

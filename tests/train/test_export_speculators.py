@@ -46,11 +46,11 @@ def load_with_speculators(path):
     return model
 
 
-@pytest.mark.parametrize("reduced", [True, False])
-def test_speculators_eagle3_model_reproduces_our_draft_logits(reduced, target, tmp_path):
+@pytest.mark.parametrize("reduced, layers", [(True, 1), (False, 1), (True, 2)])
+def test_speculators_eagle3_model_reproduces_our_draft_logits(reduced, layers, target, tmp_path):
     tdir, parts = target
     steps, n = 3, 13
-    head = make_head("eagle3", parts, reduced=reduced, steps=steps).eval()
+    head = make_head("eagle3", parts, reduced=reduced, steps=steps, layers=layers).eval()
     save_head(head, tmp_path / "ours")
     out = export_head(tmp_path / "ours", "speculators", tmp_path / "vllm")
     # vLLM reads these keys itself and fills a missing norm_before_residual with TRUE.
@@ -60,6 +60,7 @@ def test_speculators_eagle3_model_reproduces_our_draft_logits(reduced, target, t
     model = load_with_speculators(out)
     assert model.config.speculators_config.verifier.name_or_path == str(tdir)
     assert model.config.eagle_aux_hidden_state_layer_ids == [1, 2, 3]
+    assert len(model.layers) == layers
 
     g = torch.Generator().manual_seed(11)
     x = torch.randint(0, V, (n,), generator=g)

@@ -5,7 +5,7 @@ then `ShardedHead` keeps the rank's part, as tp.parallelize does for the target)
 
 | part | form | communication per head call |
 |---|---|---|
-| the head's decoder layer (MTP, EAGLE-1/3, P-EAGLE) | as the target's (tp.parallelize_layer over a plan of the head's one-layer arch, head_plan): qkv, gate/up column-parallel, o, down row-parallel; its KV cache holds the rank's KV heads | two all-reduces |
+| the head's decoder layers (MTP, EAGLE-1/3, P-EAGLE: one, EAGLE-3 and P-EAGLE: any) | as the target's (tp.parallelize_layer over a plan of the head's arch, head_plan): qkv, gate/up column-parallel, o, down row-parallel; its KV cache holds the rank's KV heads | two all-reduces a layer |
 | ... over a DeepSeek target (MLA + a dense MLP, or an MoE MTP layer) | as the target's MLA layers: the rank's query heads, the latent projections whole, its cache the whole latent row (r + p); the MLP dense-split, or the experts TP-MoE / EP as the target's | two all-reduces (the MoE's one sums routed and shared) |
 | DFlash's N decoder layers | each as a target layer (a ShardPlan of the head's own arch, prefix layers.i.); its context K/V cache holds the rank's KV heads | two all-reduces per layer (block pass) |
 | its token embedding | the target's vocabulary-parallel embedding itself | one all-reduce |
@@ -62,12 +62,14 @@ class ShardedHead:
             if head.drafting == "block":  # DFlash: N layers with the target's attention shape
                 own = ShardPlan(head.arch, tp.size, tp.rank)
                 specs = own.specs()
-                for i, layer in enumerate(head.layers):
+                for i, layer in enumerate(head.decoder_layers):
                     parallelize_layer(layer, own, specs, f"layers.{i}.", tp)
                 self.cache_arch = dataclasses.replace(own.local_arch(), n_routed_experts=0)
-            elif head.attends:  # its one layer split by a plan of its own arch (below)
+            elif head.attends:  # its layers split by a plan of its own arch (below)
                 own = head_plan(head.arch, plan, tp)
-                parallelize_layer(head.layer, own, own.specs(), "layers.0.", tp)
+                specs = own.specs()
+                for i, layer in enumerate(head.decoder_layers):
+                    parallelize_layer(layer, own, specs, f"layers.{i}.", tp)
                 self.cache_arch = dataclasses.replace(own.local_arch(), n_routed_experts=0)
         emb, lm_head = target.embed_tokens, target.lm_head
         # The head's methods bound to the target's vocabulary-parallel modules, from outside:
@@ -100,7 +102,7 @@ class ShardedHead:
 
 
 def head_plan(arch, plan: ShardPlan, tp: TPGroup) -> ShardPlan:
-    """The split of a one-layer head's arch (heads.base.head_arch): the target's attention
+    """The split of a head's arch (heads.base.head_arch): the target's attention
     (GQA, or MLA: query heads split, the latent whole) with the head's own MLP kind, which
     need not be the kind of the target's layer 0 (a DeepSeek head's dense MLP over a target
     whose layer 0 is MoE, an MoE MTP layer over a dense first layer). Its routed experts

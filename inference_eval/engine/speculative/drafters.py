@@ -28,9 +28,9 @@ only drafters with `drafts_trees` support (a head runs them; a block drafter han
 round's law of depth k, block_drafters.py).
 
 Three drafters share the target's page tables (one allocator, one block table per request):
-- `HeadDrafter`: an MTP/EAGLE head with its own one-layer KV cache. Alignment (the table in
-  heads/rollout.py): the head's cache entry at index j is computed from (h_j of the
-  target, x_{j+1}), so its token buffer is the target's shifted left by one; after each round
+- `HeadDrafter`: an MTP/EAGLE head with its own KV cache (one layer, or an EAGLE-3 head's
+  N). Alignment (the table in heads/rollout.py): the head's cache entry at index j is
+  computed from (h_j of the target, x_{j+1}), so its token buffer is the target's shifted left by one; after each round
   it is refilled at the accepted positions from the target's hidden states (more accurate than
   its own).
 - `LLMDrafter`: a separate small LLM (same tokenizer) with its own full KV cache, unshifted.
@@ -214,7 +214,7 @@ class HeadDrafter(_HeadLogits, Drafter):
         self.sync_free = sync_free
         self.page_size = page_size
         a = head.arch if cache_arch is None else cache_arch
-        self.cache = KVCache.for_arch(a, num_pages, page_size, dtype, device)  # a: one layer
+        self.cache = KVCache.for_arch(a, num_pages, page_size, dtype, device)  # a: the head's layers
         self.aux_layers = list(head.cfg.aux_layers) if head.cfg.type == "eagle3" else []
         self.carry: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.compiled = None
