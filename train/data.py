@@ -120,8 +120,9 @@ def plan_epoch(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> 
 def draw_seed(seed: int, index: int) -> int:
     """The seed of global micro-batch `index`'s random draws (PackedBatch.draw_seed): a pure
     function of the run's seed and the index, so whichever rank or accumulation step takes
-    the micro-batch, and whether the run was resumed, it draws the same."""
-    return (seed << 40) + index
+    the micro-batch, and whether the run was resumed, it draws the same. Distinct for seeds
+    below 2^23 and indices below 2^40, and within a torch generator's range for any seed."""
+    return (seed * (1 << 40) + index) % (1 << 63)
 
 
 def _dequant(s: Shard, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:

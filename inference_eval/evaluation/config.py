@@ -17,11 +17,11 @@ from inference_eval.engine.config import EngineConfig
 from inference_eval.hydra_app import CONF_DIR
 from inference_eval.evaluation.prompts import PromptsConfig
 from inference_eval.engine.sampling import SamplingParams
+from inference_eval.engine.speculative.spec_engine import CONFIDENCE_CUTS
 from inference_eval.engine.target import TargetConfig
 
 DRAFT_KINDS = ("none", "head", "llm", "lookup")
 SCHEMES = ("chain", "tree")
-CONFIDENCE_CUTS = ("draft", "prefix")
 BASELINE_LABEL = "ar"
 
 

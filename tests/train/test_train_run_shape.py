@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from inference_eval.hydra_app import compose
 from train.config import TrainConfig
-from train.data import MicroBatchStream, ShardStore
+from train.data import MicroBatchStream, ShardStore, draw_seed
 from train.loop import train
 from train.state import RunShape, check_resume
 
@@ -27,11 +28,20 @@ def test_rank_streams_interleave_into_the_one_process_stream_across_epochs(shard
     got = [ranks[j % 2].next() for j in range(len(want) - 1)]
     assert got == want[:-1]
     assert ranks[0].position == ranks[1].position == len(want) - 1
+    assert (ranks[0].last_index, ranks[1].last_index) == (len(want) - 3, len(want) - 2)
     # Resuming: rank 1 of 2 at global position 2 * per_epoch continues in epoch 2.
     later = MicroBatchStream(store, 128, 0, 1, 2, position=2 * per_epoch)
     assert later.next() == want[2 * per_epoch + 1] and later.epoch == 2
     with pytest.raises(ValueError, match="not a multiple of the world size 2"):
         MicroBatchStream(store, 128, 0, 0, 2, position=3)
+
+
+def test_draw_seeds_are_distinct_per_micro_batch_and_fit_a_generator():
+    seeds = {draw_seed(s, i) for s in (0, 1, 7) for i in range(1000)}
+    assert len(seeds) == 3000
+    for s in (-3, 2**40, 123456789123):  # any int seed gives a seed torch takes
+        torch.Generator().manual_seed(draw_seed(s, 5))
+    assert draw_seed(2**40, 5) == draw_seed(2**40, 5)
 
 
 def _cfg(common, shards, out, *extra):

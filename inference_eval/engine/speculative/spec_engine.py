@@ -33,6 +33,10 @@ from inference_eval.engine.request import Request
 from inference_eval.engine.sampling import SamplingTensors, processed_probs, sample, sample_from_probs
 from inference_eval.engine.speculative.chain import verify_greedy, verify_sampled
 
+# What draft.min_confidence is compared with: each draft's own confidence, or the product of
+# the round's confidences up to it.
+CONFIDENCE_CUTS = ("draft", "prefix")
+
 
 class _VerifyRows:
     """Where a round's packed verify rows sit in its padded [B, kmax + 1] tables (request i
@@ -66,8 +70,8 @@ class SpecEngine(LLMEngine):
         round's confidences before it is below it."""
         if max_accepted < 1:
             raise ValueError(f"draft.num_draft must be >= 1, got {max_accepted}")
-        if confidence_cut not in ("draft", "prefix"):
-            raise ValueError(f"draft.confidence_cut={confidence_cut!r}: use draft or prefix")
+        if confidence_cut not in CONFIDENCE_CUTS:
+            raise ValueError(f"draft.confidence_cut={confidence_cut!r}: use one of {CONFIDENCE_CUTS}")
         self.min_confidence = min_confidence
         self.prefix_cut = confidence_cut == "prefix"
         super().__init__(model, tokenizer, cfg, lookahead=lookahead or max_accepted + 1)
