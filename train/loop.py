@@ -179,10 +179,16 @@ def train(cfg: TrainConfig) -> dict:
                 online_progress(store, bar, last, tokens, t0)
             window.zero_()
             micro = 0
+        # Saved before validation (a collective: every rank), so a validation that fails (the
+        # engine out of memory, a bad prompt file) loses no training; an early stop between
+        # saves saves after it.
+        due = done % tc.save_every == 0 or done == max_steps
+        if due:
+            save_training_state(ck_root, done, full, sched, stream.position, shape, last)
         stop = False
         if cfg.validation.enabled and (done % tc.eval_every == 0 or done == max_steps):
             stop = validate(done, k)
-        if done % tc.save_every == 0 or done == max_steps or stop:  # a collective: every rank
+        if stop and not due:
             save_training_state(ck_root, done, full, sched, stream.position, shape, last)
         if stop:
             bar.write(f"early stop at step {done}: real τ did not improve for "

@@ -88,3 +88,27 @@ def test_real_tau_on_a_prompt_set_with_a_deeper_chain_and_its_teacher_forced_twi
     assert len(val["real_per_position_accept_rate"]) == 3
     assert len(val["tf_outputs_exp_accept_greedy"]) == 3 and val["tf_outputs_exp_tau_greedy"] >= 1
     assert head.cfg.num_steps == 1  # restored after the deeper teacher-forced pass
+
+
+def test_a_failing_validation_loses_no_training(common, make_shards, tmp_path, monkeypatch):
+    """The step's checkpoint is written before its validation: a validation that raises leaves
+    the trained step on disk, and the run resumes from it."""
+    import train.loop as loop
+    from train.state import latest_checkpoint
+
+    shards = make_shards(tmp_path / "shards", TOKENIZED, num_shards=1, seqs=12)
+    out = tmp_path / "out"
+    cfg = compose("train", TrainConfig, [
+        *common, *TOKENIZED, f"data.shards={shards}", f"output_dir={out}",
+        "trainer.max_steps=2", "trainer.eval_every=2", "trainer.save_every=2",
+        "validation.enabled=true", "validation.num_conversations=2", "validation.max_length=64",
+        "validation.tau_prompts=2", "validation.tau_max_new_tokens=4", "engine.num_pages=64"])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the validation engine ran out of memory")
+
+    monkeypatch.setattr(loop, "evaluate", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        train(cfg)
+    ck = latest_checkpoint(out / "checkpoints")
+    assert ck is not None and ck.name.endswith("2")
