@@ -98,6 +98,13 @@ def read_one_layer_config(path: Path, head: str) -> dict[str, Any]:
     return cfg
 
 
+def refuse_sliding_window(layer_cfg: dict[str, Any], source: str, head: str) -> None:
+    """Our draft layers attend over the whole context: a config with sliding-window layers
+    describes another model."""
+    if any(t == "sliding_attention" for t in layer_cfg.get("layer_types") or []):
+        raise ValueError(f"{source}: sliding-window draft layers; our {head} layers attend fully")
+
+
 def has_architecture(cfg: dict[str, Any], names: tuple[str, ...] | set[str]) -> bool:
     return any(a in names for a in cfg.get("architectures") or [])
 

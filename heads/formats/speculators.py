@@ -23,6 +23,7 @@ import heads.formats.eagle3 as eagle3
 import heads.formats.speculators_block as block
 from heads.formats.bundle import (HeadBundle, arch_from_config, cfg_from_stamp, dtype_name,
                                  head_stamp, llama_layer_config, read_config, read_tensors,
+                                 refuse_sliding_window,
                                  target_stamp, write_dir)
 
 NAME = "speculators"
@@ -115,8 +116,7 @@ def read(path: Path) -> HeadBundle:
     if on:
         raise ValueError(f"{src}: {on} set; our eagle3 head has no such variant")
     layer = cfg.get("transformer_layer_config") or {}
-    if any(t == "sliding_attention" for t in layer.get("layer_types") or []):
-        raise ValueError(f"{src}: sliding-window draft layers; our eagle3 layers attend fully")
+    refuse_sliding_window(layer, src, "eagle3")
     arch = arch_from_config(layer, src)
     if cfg.get("target_hidden_size") not in (None, arch.hidden_size):
         raise ValueError(f"{src}: target_hidden_size={cfg['target_hidden_size']} differs from the "
@@ -127,7 +127,8 @@ def read(path: Path) -> HeadBundle:
     steps = methods[0].get("speculative_tokens") or 1
     bundle = HeadBundle(
         cfg_from_stamp(cfg.get("specheads_head"), "eagle3", num_steps=steps, draft_vocab_size=None,
-                       num_layers=int(layer.get("num_hidden_layers", 1)), aux_layers=eagle3.our_aux_ids(cfg.get("eagle_aux_hidden_state_layer_ids"),
+                       num_layers=int(layer.get("num_hidden_layers", 1)),
+                       aux_layers=eagle3.our_aux_ids(cfg.get("eagle_aux_hidden_state_layer_ids"),
                                                      src)),
         arch, cfg.get("specheads_target") or {"name": verifier, "path": verifier}, {}, src)
     tensors = read_tensors(path)

@@ -37,8 +37,8 @@ import torch
 import heads.formats.eagle3 as eagle3
 from heads.config import mask_token
 from heads.formats.bundle import (HeadBundle, arch_from_config, cfg_from_stamp, dtype_name,
-                                  llama_layer_config, read_config, read_tensors, refuse_unused,
-                                  stamps, write_dir)
+                                  llama_layer_config, read_config, read_tensors,
+                                  refuse_sliding_window, refuse_unused, stamps, write_dir)
 from heads.formats.layer_names import layer_from_hf, layer_to_hf
 
 SPECULATORS_VERSION = "0.9.0"
@@ -131,8 +131,7 @@ def read_dflash(path: Path, cfg: dict[str, Any]) -> HeadBundle:
         raise ValueError(f"{src}: sample_from_anchor=true (DSpark's variant: the anchor row "
                          "drafts too); our dflash head drafts from the mask rows only")
     layer = dict(cfg.get("transformer_layer_config") or {})
-    if any(t == "sliding_attention" for t in layer.get("layer_types") or []):
-        raise ValueError(f"{src}: sliding-window draft layers; our dflash layers attend fully")
+    refuse_sliding_window(layer, src, "dflash")
     n_layers = int(layer.get("num_hidden_layers", 1))
     arch = replace(arch_from_config(layer, src), qk_norm=True)
     if cfg.get("target_hidden_size") not in (None, arch.hidden_size):
