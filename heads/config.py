@@ -71,6 +71,10 @@ class HeadConfig:
       by BCE to the draft's acceptance rate Σ min(p, q) (DSpark's target), on detached inputs
       (the drafts stay the same); the engine's draft.min_confidence cut then reads it.
     confidence_weight: the weight of that BCE in the loss.
+    cod_ratio, cod_ratio_min: P-EAGLE training (parallel_drafting): step k >= 2 runs at a
+      random share max(cod_ratio^(k-1), cod_ratio_min) of the positions, each a subset of the
+      step before's (COD sampling, heads/cod.py); 1.0 (default): every step at every position.
+      speculators' P-EAGLE trains with 0.7 and 0.2.
     """
 
     type: str = "mtp"
@@ -95,6 +99,8 @@ class HeadConfig:
     markov_first: bool = False
     confidence_head: bool = False
     confidence_weight: float = 1.0
+    cod_ratio: float = 1.0
+    cod_ratio_min: float = 0.0
 
     def __post_init__(self) -> None:
         if self.type not in HEAD_TYPES:
@@ -162,6 +168,14 @@ class HeadConfig:
                              f"head.type=dflash (got {self.type!r})")
         if self.confidence_weight < 0:
             raise ValueError(f"head.confidence_weight must be >= 0, got {self.confidence_weight}")
+        if not (0 < self.cod_ratio <= 1 and 0 <= self.cod_ratio_min <= 1):
+            raise ValueError(f"head.cod_ratio must be in (0, 1] and head.cod_ratio_min in [0, 1], "
+                             f"got {self.cod_ratio}, {self.cod_ratio_min}")
+        if self.cod_ratio < 1 and not self.parallel_drafting:
+            raise ValueError(f"head.cod_ratio={self.cod_ratio} samples the depths of a P-EAGLE "
+                             "rollout (head=peagle); a chain step k reads step k-1's output at "
+                             "its position, and a DFlash head samples anchors "
+                             "(head.anchors_per_seq)")
         if self.type == "dflash" and self.feature_loss_weight > 0:
             raise ValueError("head.feature_loss_weight must be 0 for head.type=dflash (its "
                              "block rows feed no next step)")

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from heads.batch import PackedBatch
+from heads.cod import cod_rows
 from heads.loss import step_soft_ce
 from heads.rollout import SteppingHead, rollout
 
@@ -65,9 +66,14 @@ def chain_step(rows: torch.Tensor, w: torch.Tensor, chain_match: torch.Tensor | 
 
 def head_objective(head: ObjectiveHead, batch: PackedBatch, chunk: int = 1024,
                    naive: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (loss, stats [K, STATS])."""
+    """Returns (loss, stats [K, STATS]). A P-EAGLE head with head.cod_ratio < 1 runs steps
+    2..K at COD-sampled positions in training (heads/cod.py); a step's loss is then the mean
+    over its rows, and its stats count them (a position dropped at step k is out of the
+    conditional rates from k on)."""
     cfg = head.cfg
-    outs = rollout(head, batch)
+    cod = head.training and cfg.cod_ratio < 1
+    outs = rollout(head, batch, cod_rows(batch, cfg.num_steps, cfg.cod_ratio, cfg.cod_ratio_min)
+                   if cod else None)
     with torch.no_grad():
         y_all = head.frozen.norm(batch.hidden)
     w_target = head.frozen.weight
@@ -87,7 +93,14 @@ def head_objective(head: ObjectiveHead, batch: PackedBatch, chunk: int = 1024,
         x, w, extra = head.logit_inputs(out.features, out.index.tokens if k > 1 else None)
         ce, m, rows = step_soft_ce(x, w, y, w_target, row_w, cfg.distill_temperature, chunk,
                                    naive, extra)
-        chain_match, chain_beta, cond = chain_step(rows, row_w, chain_match, chain_beta)
+        sel = out.index.rows
+        if sel is None:
+            chain_match, chain_beta, cond = chain_step(rows, row_w, chain_match, chain_beta)
+        else:  # the chains live at every position: a step's dropped rows weigh 0
+            n_all = batch.input_ids.shape[0]
+            chain_match, chain_beta, cond = chain_step(
+                rows.new_zeros(n_all, rows.shape[1]).index_copy(0, sel, rows),
+                row_w.new_zeros(n_all).index_copy(0, sel, row_w), chain_match, chain_beta)
         loss_k = cfg.ce_loss_weight * ce / n_valid
         if cfg.feature_loss_weight > 0:
             with torch.no_grad():

@@ -41,11 +41,16 @@ class SteppingHead(Protocol):
 
 @dataclass
 class StepIndex:
-    """For one step k: token ids [N], label rows [N] (index of h_{t+k}), valid [N] bool."""
+    """For one step k over the n positions it runs at: token ids [n], label rows [n] (index of
+    h_{t+k}), valid [n] bool; rows [n]: those positions, when a subset (COD), else None (all N)."""
 
     tokens: torch.Tensor
     label_rows: torch.Tensor
     valid: torch.Tensor
+    rows: torch.Tensor | None = None
+
+    def subset(self, rows: torch.Tensor) -> "StepIndex":
+        return StepIndex(self.tokens[rows], self.label_rows[rows], self.valid[rows], rows)
 
 
 def step_indices(batch: PackedBatch, k: int) -> StepIndex:
@@ -70,17 +75,26 @@ class StepOutput:
     index: StepIndex
 
 
-def rollout(head: SteppingHead, batch: PackedBatch) -> list[StepOutput]:
-    """Run K = head.cfg.num_steps draft steps over a packed batch (autograd-friendly)."""
+def rollout(head: SteppingHead, batch: PackedBatch,
+            rows: list[torch.Tensor] | None = None) -> list[StepOutput]:
+    """Run K = head.cfg.num_steps draft steps over a packed batch (autograd-friendly). rows:
+    None (every step at every position), or [S_2, ..., S_K], the positions steps 2..K run at,
+    each a subset of the one before (COD, heads/cod.py); a step's outputs then hold its rows
+    only, each equal to the full rollout's at that position."""
     outs = []
-    hidden_in = head.first_hidden(batch.hidden, batch.aux)
+    hidden = head.first_hidden(batch.hidden, batch.aux)  # [N, H]: the last output at each position
     ctx = RolloutContext(RolloutPlan(batch.seq_lens, batch.input_ids.device),
                          head.rope_cos, head.rope_sin) if head.attends else None
     for k in range(1, head.cfg.num_steps + 1):
         idx = step_indices(batch, k)
-        nxt, feats = head.step(idx.tokens, hidden_in, ctx, k=k)
+        sel = None if rows is None or k == 1 else rows[k - 2]
+        if sel is not None:
+            idx = idx.subset(sel)
+            if ctx is not None:
+                ctx.select(sel)
+        nxt, feats = head.step(idx.tokens, hidden if sel is None else hidden[sel], ctx, k=k)
         outs.append(StepOutput(feats, nxt, idx))
-        hidden_in = nxt
+        hidden = nxt if sel is None else hidden.index_copy(0, sel, nxt)
         if ctx is not None:
             ctx.next_step()
     return outs

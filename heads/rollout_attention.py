@@ -7,6 +7,11 @@ plain causal attention. No key of another packed sequence is ever visible.
 
 Worked example, one sequence of 3 tokens, step 2, query i = 1: visible keys are step-1 keys
 0 and 1 and the step-2 key at 1; not step-1 key 2, not the step-2 keys at 0 or 2.
+
+A step may run at a subset of the positions (COD, heads/cod.py: `select(rows)`, each step's
+rows a subset of the step before's). Its queries, keys and values then hold those rows only;
+the keys are kept at their positions (zeros elsewhere), which no query sees: a query at
+position i reads earlier steps' keys at i only, and i ran at every earlier step.
 """
 from __future__ import annotations
 
@@ -57,19 +62,27 @@ class RolloutContext:
     def __init__(self, plan: RolloutPlan, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> None:
         self.plan, self._cos_table, self._sin_table = plan, rope_cos, rope_sin
         self.step = 1
+        self.rows: torch.Tensor | None = None  # this step's positions (None: all T)
         self.keys: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # layer -> steps
         self._set_rope()
 
     def _set_rope(self) -> None:
-        pos = (self.plan.local + self.step - 1).clamp(max=self._cos_table.shape[0] - 1)
+        local = self.plan.local if self.rows is None else self.plan.local[self.rows]
+        pos = (local + self.step - 1).clamp(max=self._cos_table.shape[0] - 1)
         self.cos, self.sin = self._cos_table[pos], self._sin_table[pos]
+
+    def select(self, rows: torch.Tensor | None) -> None:
+        """This step runs at positions `rows` [n] only (a subset of the step before's)."""
+        self.rows = rows
+        self._set_rope()
 
     def next_step(self) -> None:
         self.step += 1
         self._set_rope()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]."""
+        """q [n, heads, d], k/v [n, kv_heads, d] -> [n, heads, d] (n: the step's rows, T or
+        the selected subset)."""
         return self._attend(layer, q, k, v, None)
 
     def attend_latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int,
@@ -81,7 +94,12 @@ class RolloutContext:
 
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: float | None) -> torch.Tensor:
-        p = self.plan
+        p, rows = self.plan, self.rows
+        if rows is not None:  # to full [T] rows: keys in place, zeros where the step did not run
+            full = (p.rows.numel(), *q.shape[1:])
+            q = q.new_zeros(full).index_copy(0, rows, q)
+            k = k.new_zeros((full[0], *k.shape[1:])).index_copy(0, rows, k)
+            v = v.new_zeros((full[0], *v.shape[1:])).index_copy(0, rows, v)
         keys = self.keys.setdefault(layer, [])
         keys.append((k, v))
         heads, kvh = q.shape[1], k.shape[1]
@@ -93,4 +111,5 @@ class RolloutContext:
             qp, torch.cat(ks, dim=2), torch.cat(vs, dim=2),
             attn_mask=torch.cat(masks, dim=2).unsqueeze(1), scale=scale,
             enable_gqa=heads != kvh)
-        return p.unpad(out.transpose(1, 2))
+        out = p.unpad(out.transpose(1, 2))
+        return out if rows is None else out.index_select(0, rows)

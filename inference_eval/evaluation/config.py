@@ -17,7 +17,7 @@ from inference_eval.engine.config import EngineConfig
 from inference_eval.hydra_app import CONF_DIR
 from inference_eval.evaluation.prompts import PromptsConfig
 from inference_eval.engine.sampling import SamplingParams
-from inference_eval.engine.speculative.spec_engine import CONFIDENCE_CUTS
+from inference_eval.engine.speculative.draft_cut import DraftCut
 from inference_eval.engine.target import TargetConfig
 
 DRAFT_KINDS = ("none", "head", "llm", "lookup")
@@ -67,8 +67,13 @@ class DraftConfig:
     min_confidence: float = 0.0
     # What min_confidence is compared with: "draft", each draft's own confidence; "prefix",
     # the product of the round's confidences up to this draft (the estimated chance that all
-    # of them are accepted, the stopping rule of DSpark's scheduler and SpecDec++).
+    # of them are accepted, SpecDec++'s stopping rule). "rate" (DSpark's scheduler) needs no
+    # threshold: a draft is kept while it raises the round's expected tokens per cost, from
+    # round_costs (num_draft + 1 numbers: a round verifying 0..num_draft drafts, in AR steps;
+    # scripts/bench_spec.py --steps-only prints them) and the drafts' calibrated confidences
+    # (engine/speculative/draft_cut.py).
     confidence_cut: str = "draft"
+    round_costs: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.kind == "lookup":
@@ -107,15 +112,12 @@ class DraftConfig:
         if not 0.0 <= self.min_confidence < 1.0:
             raise ValueError(f"draft.min_confidence={self.min_confidence!r}: a probability in "
                              "[0, 1) (0 drafts num_draft tokens every round)")
-        if self.min_confidence > 0 and (self.scheme != "chain" or self.kind in ("none", "lookup")):
-            raise ValueError("draft.min_confidence cuts model-drafted chains: use it with "
-                             "draft=head or llm and scheme=chain (a tree prunes by its own scores)")
-        if self.confidence_cut not in CONFIDENCE_CUTS:
-            raise ValueError(f"draft.confidence_cut={self.confidence_cut!r}: use one of "
-                             f"{CONFIDENCE_CUTS}")
-        if self.confidence_cut != "draft" and self.min_confidence <= 0:
-            raise ValueError(f"draft.confidence_cut={self.confidence_cut} compares with "
-                             "draft.min_confidence: set it in (0, 1)")
+        cuts = self.min_confidence > 0 or self.confidence_cut == "rate"
+        if cuts and (self.scheme != "chain" or self.kind in ("none", "lookup")):
+            raise ValueError("draft.min_confidence and confidence_cut=rate cut model-drafted "
+                             "chains: use them with draft=head or llm and scheme=chain (a tree "
+                             "prunes by its own scores)")
+        DraftCut(self.confidence_cut, self.min_confidence, self.round_costs, self.num_draft)
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
             raise ValueError(f"draft.name must be a non-empty string or null, got {self.name!r}")
 

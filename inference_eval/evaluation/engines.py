@@ -94,7 +94,8 @@ def build_spec_engine(loaded: LoadedTarget, engine_cfg: EngineConfig, draft_cfg,
                               draft_cfg.topk, draft_cfg.total_tokens, lookahead=lookahead)
     return SpecEngine(loaded.model, loaded.tokenizer, engine_cfg, make, draft_cfg.num_draft,
                       lookahead=lookahead, min_confidence=getattr(draft_cfg, "min_confidence", 0.0),
-                      confidence_cut=getattr(draft_cfg, "confidence_cut", "draft"))
+                      confidence_cut=getattr(draft_cfg, "confidence_cut", "draft"),
+                      round_costs=getattr(draft_cfg, "round_costs", None))
 
 
 def build_tp_spec_engine(loaded: LoadedTarget, plan, tp, draft_cfg):

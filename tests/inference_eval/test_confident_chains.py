@@ -1,8 +1,9 @@
 """Chains cut by the draft's confidence (draft.min_confidence): a request stops drafting at
 the first draft whose law's top probability is below the threshold (confidence_cut=prefix:
-whose product with the round's earlier ones is). Greedy output stays the autoregressive
-output, the sampled law stays the target's, and the cut drafts are the unlikely ones (the
-acceptance rate of what is proposed rises)."""
+whose product with the round's earlier ones is; confidence_cut=rate: the first that does not
+raise the round's expected tokens per cost, DSpark's scheduler). Greedy output stays the
+autoregressive output, the sampled law stays the target's, and the cut drafts are the unlikely
+ones (the acceptance rate of what is proposed rises)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ from inference_eval.engine.llm_engine import LLMEngine
 from inference_eval.engine.sampling import SamplingParams
 from inference_eval.evaluation.config import DraftConfig
 from inference_eval.evaluation.engines import build_engine, frozen_parts_of
+from inference_eval.engine.speculative.draft_cut import EXPLORE, PRIOR
 from inference_eval.engine.speculative.spec_engine import SpecEngine
 from spec_stats import chi2_pvalue, first_two_counts, joint_first_two
 from engine_cases import load_tiny as _loaded, random_prompts
@@ -30,9 +32,9 @@ def _prompts(k, seed):
     return random_prompts(k, seed, 20, bos=None)
 
 
-def _chain(path, k, conf, cut="draft"):
+def _chain(path, k, conf, cut="draft", costs=None):
     return SimpleNamespace(kind="head", checkpoint=path, num_draft=k, scheme="chain",
-                           min_confidence=conf, confidence_cut=cut)
+                           min_confidence=conf, confidence_cut=cut, round_costs=costs)
 
 
 def _fitted(tiny_hf, tmp_path):
@@ -136,10 +138,63 @@ def test_prefix_cut_stops_at_the_first_product_below_the_threshold(tiny_hf, tmp_
     assert by_product > 0 and 0 < pp < pd and ap / pp > ad / pd
 
 
-def test_confidence_cut_keeps_the_sampled_law(tiny_hf, tmp_path):
-    """Temperature 0.8, top-k 4, a peaked random head cut at 0.6: the joint law of the first
-    two generated tokens is the target's (the second token's round has one draft: cut, a plain
-    decode step; kept, a verification), and both kinds of round ran."""
+def _rate_replay(steps, costs, judged, hits, explore) -> int:
+    """The rate rule replayed for one round from its steps' top probabilities, with the
+    calibration counts so far (judged / hits per tenth of confidence, updated by the caller):
+    the drafts kept (an exploring round keeps its first)."""
+    e, p = 1.0, 1.0
+    for s, ((c,), _) in enumerate(steps, 1):
+        b = min(int(c * 10), 9)
+        a = (hits[b] + PRIOR * c) / (judged[b] + PRIOR)
+        pays = (e + p * a) / costs[s] > e / costs[s - 1] if s < len(costs) else False
+        if not (pays or (explore and s == 1)):
+            return s - 1
+        e, p = e + p * a, p * a
+    return len(steps)
+
+
+def test_rate_cut_replays_the_rule_learns_and_stays_lossless(tiny_hf, tmp_path):
+    """confidence_cut=rate, one prompt at a time, costs of a CPU-like round (each verified row
+    0.1 AR steps): every round keeps what a replay of the rule gives from the top
+    probabilities its steps saw, the acceptances of the rounds before (its calibration) and
+    the exploring rounds; greedy output is the autoregressive output. The tiny target's laws
+    are nearly flat (the head's confidences ~0.01) though the head is often right, so drafts
+    are accepted only because the calibration learns that; rounds are cut, and with free rows
+    (a GPU's flat costs) it drafts more, with fewer of them accepted."""
+    loaded, prompts, params, ar, head = _fitted(tiny_hf, tmp_path)
+    costs = [1.0, 1.1, 1.2, 1.3]
+    totals = {}
+    for name, cost in (("cpu", costs), ("flat", [1.0] * 4)):
+        proposed = accepted = 0
+        kinds = set()
+        for prompt, want in zip(prompts, ar):
+            with pytest.MonkeyPatch.context() as mp:
+                spy = _Spy(mp)
+                eng = build_engine(loaded, EngineConfig(**CFG), _chain(head, 3, 0.0, "rate", cost))
+                (out,) = eng.generate([prompt], params, progress=False)
+            assert out.token_ids == want.token_ids
+            judged, hits = [0] * 10, [0] * 10
+            rounds = zip(spy.rounds, out.meta["proposed"][1:], out.meta["accepted"][1:])
+            for i, (steps, p, a) in enumerate(rounds):
+                assert p == _rate_replay(steps, cost, judged, hits, i % EXPLORE == 0)
+                for s, ((c,), _) in enumerate(steps[:min(p, a + 1)]):
+                    judged[min(int(c * 10), 9)] += 1
+                    hits[min(int(c * 10), 9)] += s < a
+                kinds.add(p)
+            proposed += sum(out.meta["proposed"][1:])
+            accepted += sum(out.meta["accepted"][1:])
+        totals[name] = (proposed, accepted, kinds)
+    (pc, ac, kc), (pf, af, _) = totals["cpu"], totals["flat"]
+    assert ac > 0 and min(kc) < 3
+    assert pf > pc and ac / pc > af / pf
+
+
+@pytest.mark.parametrize("cut,conf,costs", [("draft", 0.6, None), ("rate", 0.0, [1.0, 1.6, 2.2])])
+def test_confidence_cut_keeps_the_sampled_law(tiny_hf, tmp_path, cut, conf, costs):
+    """Temperature 0.8, top-k 4, a peaked random head cut at 0.6 (or by the rate rule with a
+    second row costing 0.6 AR steps: kept when the draft's confidence passes 0.6 too): the
+    joint law of the first two generated tokens is the target's (the second token's round has
+    one draft: cut, a plain decode step; kept, a verification), and both kinds of round ran."""
     loaded = _loaded(tiny_hf)
     head = build_head(HeadConfig(type="mtp"), frozen_parts_of(loaded), seed=5)
     with torch.no_grad():
@@ -149,7 +204,7 @@ def test_confidence_cut_keeps_the_sampled_law(tiny_hf, tmp_path):
     params = SamplingParams(temperature=0.8, top_k=4, max_new_tokens=3, ignore_eos=True)
     joint = joint_first_two(loaded.model, prompt, params)
     cfg = EngineConfig(max_batch_size=4096, seed=7, **CFG)
-    eng = build_engine(loaded, cfg, _chain(str(tmp_path / "h"), 2, 0.6))
+    eng = build_engine(loaded, cfg, _chain(str(tmp_path / "h"), 2, conf, cut, costs))
     trials = 3000
     out = eng.generate([prompt] * trials, params, progress=False)
     proposed = [r.meta["proposed"][1] for r in out]
@@ -168,4 +223,11 @@ def test_min_confidence_config_refusals():
         DraftConfig(kind="head", checkpoint="x", min_confidence=0.5, confidence_cut="product")
     with pytest.raises(ValueError, match="set it in"):
         DraftConfig(kind="head", checkpoint="x", confidence_cut="prefix")
+    with pytest.raises(ValueError, match="round_costs: 5 costs"):
+        DraftConfig(kind="head", checkpoint="x", confidence_cut="rate")
+    with pytest.raises(ValueError, match="model-drafted chains"):
+        DraftConfig(kind="lookup", confidence_cut="rate", round_costs=[1.0] * 5)
+    rate = DraftConfig(kind="head", checkpoint="x", num_draft=2, confidence_cut="rate",
+                       round_costs=[1.0, 1.1, 1.2])
+    assert rate.round_costs == [1.0, 1.1, 1.2]
     assert DraftConfig(kind="head", checkpoint="x", lookup=True, min_confidence=0.5).min_confidence == 0.5

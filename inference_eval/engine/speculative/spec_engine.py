@@ -32,10 +32,7 @@ from inference_eval.engine.llm_engine import LLMEngine
 from inference_eval.engine.request import Request
 from inference_eval.engine.sampling import SamplingTensors, processed_probs, sample, sample_from_probs
 from inference_eval.engine.speculative.chain import verify_greedy, verify_sampled
-
-# What draft.min_confidence is compared with: each draft's own confidence, or the product of
-# the round's confidences up to it.
-CONFIDENCE_CUTS = ("draft", "prefix")
+from inference_eval.engine.speculative.draft_cut import DraftCut
 
 
 class _VerifyRows:
@@ -60,20 +57,19 @@ class SpecEngine(LLMEngine):
 
     def __init__(self, model, tokenizer, cfg: EngineConfig | None, make_drafter, max_accepted: int,
                  lookahead: int | None = None, min_confidence: float = 0.0,
-                 confidence_cut: str = "draft") -> None:
+                 confidence_cut: str = "draft", round_costs: list[float] | None = None) -> None:
         """make_drafter(num_pages, page_size, device, dtype) -> a Drafter on the engine's pages;
         max_accepted: the most draft tokens one round can accept (chain K, tree depth; the
         config key is draft.num_draft or draft.depth); lookahead: cache slots a round writes
         past the last token (default K + 1); min_confidence: a request's chain stops at the
         first draft whose confidence (its law's largest probability, or the drafter's own)
         is below it (0: never); confidence_cut "prefix": at the first whose product with the
-        round's confidences before it is below it."""
+        round's confidences before it is below it; "rate": at the first that does not raise
+        the round's expected tokens per cost (round_costs[s]: a round of s drafts, in AR
+        steps); the rules: engine/speculative/draft_cut.py."""
         if max_accepted < 1:
             raise ValueError(f"draft.num_draft must be >= 1, got {max_accepted}")
-        if confidence_cut not in CONFIDENCE_CUTS:
-            raise ValueError(f"draft.confidence_cut={confidence_cut!r}: use one of {CONFIDENCE_CUTS}")
-        self.min_confidence = min_confidence
-        self.prefix_cut = confidence_cut == "prefix"
+        self.cut = DraftCut(confidence_cut, min_confidence, round_costs, max_accepted)
         super().__init__(model, tokenizer, cfg, lookahead=lookahead or max_accepted + 1)
         if max_accepted + 2 >= self.max_context:
             raise ValueError(f"draft.num_draft={max_accepted} does not fit the context "
@@ -207,7 +203,8 @@ class SpecEngine(LLMEngine):
         n = [r.num_cached for r in reqs]
         ks = self.drafter.draft_lengths(reqs, n, [self._draft_len(r) for r in reqs])
         b, kmax = len(reqs), max(max(ks), 1)
-        dtok, qs, ks = self._propose(reqs, ks, n, st, greedy, kmax)
+        cut = self.cut.begin(b)
+        dtok, qs, ks = self._propose(reqs, ks, n, st, greedy, kmax, cut)
         t0 = self._tick("draft", t0)
         # Verify [x_n, d_1..d_k] of every request in one target pass.
         layout = self._sub_layout(reqs, [k + 1 for k in ks], [m + k + 1 for m, k in zip(n, ks)])
@@ -245,6 +242,7 @@ class SpecEngine(LLMEngine):
         self.counters["rounds"] += 1
         acc = [row[0] for row in fetched]
         emit = [row[1:kmax + 2] for row in fetched]
+        self.cut.end(cut, acc)
         keep = self._record_round(reqs, ks, acc, emit, n, done)
         if not caught_up:
             self.drafter.accept([reqs[i] for i in keep], [n[i] for i in keep],
@@ -263,28 +261,27 @@ class SpecEngine(LLMEngine):
             got = self._rows_seen[key] = _VerifyRows(ks, kmax, self.device)
         return got
 
-    def _propose(self, reqs, ks, n, st, greedy, kmax):
+    def _propose(self, reqs, ks, n, st, greedy, kmax, cut):
         """Draft up to ks[i] tokens per request -> (drafts [B, kmax] int64 on the device, 0
         past the request's drafts; draft probs per request: the processed distribution each
         draft was drawn from, empty when greedy; the drafts each request has). Nothing is
-        read back to the host here, except each step's confidences with min_confidence:
-        a request whose draft confidence (or, with the prefix cut, the round's product of
-        them so far) falls below it keeps only the drafts before that one (the cut depends
-        on the draft alone, so verification stays lossless)."""
+        read back to the host here, except each step's confidences when a cut is set
+        (`cut`: this round's state of self.cut): a request whose draft the rule refuses
+        keeps only the drafts before that one (the cut depends on the draft alone, so
+        verification stays lossless)."""
         b, ks = len(reqs), list(ks)
         dtok = torch.zeros(b, kmax, dtype=torch.long, device=self.device)
         qs: list[list[torch.Tensor]] = [[] for _ in range(b)]
         live = [i for i in range(b) if ks[i] > 0]
         if not live:
             return dtok, qs, ks
-        run = [1.0] * b  # each request's product of this round's confidences (prefix cut)
         state, logits = self.drafter.begin_round([reqs[i] for i in live], [n[i] for i in live])
         for s in range(1, max(ks) + 1):
             probs = None
             if not greedy:
                 sub = SamplingTensors(st.temperature[live], st.top_k[live], st.top_p[live])
                 probs = processed_probs(logits, sub)
-            sure = self._confident(logits, live, run)
+            sure = self._confident(logits, live, cut)
             tok = logits.argmax(-1) if greedy else sample_from_probs(probs, self.generator)
             for j, i in enumerate(live):
                 if not sure[j]:
@@ -309,23 +306,17 @@ class SpecEngine(LLMEngine):
                                               tok, state)
         return dtok, qs, ks
 
-    def _confident(self, logits: torch.Tensor, live: list[int], run: list[float]) -> list[bool]:
+    def _confident(self, logits: torch.Tensor, live: list[int], cut) -> list[bool]:
         """Per row of one draft step (logits [L, V], row j of request live[j]): whether the
-        draft's confidence reaches min_confidence. The confidence is the draft model's own
-        law's top probability, before any sampling setting, or, for a drafter with a learned
-        confidence head, the head's predicted acceptance; with the prefix cut it is multiplied
-        into run[live[j]] (the request's product this round) and the product is tested. The
-        same test for greedy and sampled requests, so a request's cuts do not depend on its
-        batch; it reads the draft side only (lossless)."""
-        if self.min_confidence <= 0:
+        cut keeps the draft (draft_cut.py). The confidence is the draft model's own law's top
+        probability, before any sampling setting, or, for a drafter with a learned confidence
+        head, the head's predicted acceptance. The same test for greedy and sampled requests,
+        so a request's cuts do not depend on its batch; it reads the draft side only
+        (lossless)."""
+        if not self.cut.active:
             return [True] * len(live)
         self.counters["host_syncs"] += 1
         top = self.drafter.confidence()
         if top is None:
             top = torch.softmax(logits.float(), -1).max(-1).values
-        conf = top.tolist()
-        if self.prefix_cut:
-            for j, i in enumerate(live):
-                run[i] *= conf[j]
-                conf[j] = run[i]
-        return [c >= self.min_confidence for c in conf]
+        return self.cut.keep(cut, live, top.tolist())
