@@ -116,8 +116,9 @@ def step_costs(args: argparse.Namespace) -> dict:
         return BatchLayout([q], [kv], [pages], ps)
 
     # Fill both caches once so every timed step attends over `ctx` real entries.
-    out = model(ids[:ctx], eng.backend.plan(layout(ctx, ctx)), eng.cache, compute_logits=False)
-    hidden = drafter.head.first_hidden(out.hidden, None)
+    out = model(ids[:ctx], eng.backend.plan(layout(ctx, ctx)), eng.cache, compute_logits=False,
+                aux_layers=drafter.aux_layers)  # an EAGLE-3 head reads the aux layers too
+    hidden = drafter.head.first_hidden(out.hidden, out.aux)
     drafter.run(ids[1:ctx + 1], hidden, eng.backend.plan(layout(ctx, ctx)),
                 rows=torch.tensor([ctx - 1], device=device))
     state = hidden[-1:]
