@@ -123,10 +123,10 @@ class DraftCut:
                 ok = c >= self.min_confidence
             elif self.rule == "prefix":
                 ok = r.product * c >= self.min_confidence
+                r.product *= c if ok else 1.0
             else:
                 ok = self._pays(r, c)
             if ok:
-                r.product *= c if self.rule == "prefix" else 1.0
                 r.confs.append(c)
             out.append(ok)
         return out
