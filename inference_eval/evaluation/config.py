@@ -181,9 +181,12 @@ class EvalConfig:
                              f"{BASELINE_LABEL!r}; give each draft a distinct name=")
 
     def draft_runs(self) -> list[DraftConfig]:
-        """The speculative runs after the baseline: `drafts` if given, else `draft` unless none."""
-        runs = self.drafts if self.drafts else [self.draft]
-        return [d for d in runs if d.kind != "none"]
+        """The runs after the baseline: `drafts` if given, else `draft` unless none. A
+        `kind: none` entry of `drafts` runs the autoregressive engine again, a control for
+        drift between the runs of a pass (it needs a name other than the baseline's)."""
+        if self.drafts:
+            return list(self.drafts)
+        return [] if self.draft.kind == "none" else [self.draft]
 
 
 def load_draft_preset(name: str) -> Any:

@@ -92,6 +92,23 @@ def test_drafts_list_resolves_presets():
     assert cfg.drafts[1].depth == 3 and cfg.drafts[1].topk == 10 and cfg.drafts[2].llm is not None
 
 
+def test_autoregressive_control_in_drafts(tmp_path, prompt_file):
+    """A `kind: none` entry of `drafts` runs the autoregressive engine again after the others
+    (a drift control); unnamed, its label would be the baseline's, which is refused."""
+    cfg = compose("eval", EvalConfig, [
+        *FAST, "prompts=jsonl", f"prompts.path={prompt_file}", f"output_dir={tmp_path}",
+        "eval.warmup=false", "drafts=[lookup,{kind:none,name:ar2}]"])
+    assert [(d.kind, d.label) for d in cfg.draft_runs()] == [("lookup", "lookup-chain"), ("none", "ar2")]
+    report = evaluate.main(cfg)
+    assert [r["name"] for r in report["runs"]] == ["ar", "lookup-chain", "ar2"]
+    ar, ar2 = report["runs"][0], report["runs"][2]
+    assert ar2["lossless_check"]["compared"] == 4 and ar2["lossless_check"]["mismatched"] == 0
+    assert ar2["mean_accept_len"] == 1.0 and ar2["target_steps"] == ar["target_steps"]
+    assert set(ar2["time_split_s"]) == {"prefill", "decode"} and ar2["speedup"] > 0
+    with pytest.raises(ValueError, match="clash with the baseline"):
+        compose("eval", EvalConfig, ["target=tiny", "drafts=[lookup,{kind:none}]"])
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["draft=head"], "checkpoint"),
     (["prompts=jsonl"], "path"),
