@@ -11,14 +11,24 @@ tokens, the drafters' own verbs as the chain engine calls them:
 - `dflash{B}_pass`:  a DFlash head's `begin_round` (the whole block of B rows, laws of
   d_1..d_{B-1}), for each --dflash head;
 - `dflash{B}_context`: its context write after verification (a + 1 rows of aux states);
-- `peagle_pass`:  a P-EAGLE head's `begin_round` (d_2..d_K in one pass);
-- `peagle_refill`: its refill (as chain_refill; gives d_1).
+- `peagle_pass`:  a P-EAGLE head's `begin_round` and first `step` (d_2..d_K in one pass,
+  which waits for d_1's cut);
+- `peagle_refill`: its refill (as chain_refill; gives d_1);
+- `ar_step`, `verify_{r}`: the target's pass over 1 and r = 2..K+1 rows (logits for each).
 
 Ops run round-robin --reps times under the engine's thread setting, so drift hits them
 alike; medians are reported with their ratio to `chain_step` (the issue's goal: one block
 pass <= 1.5x one chain draft step), and the draft work of a whole round,
 refill + (K - 1) steps for the chain, context + pass for DFlash, refill + pass for P-EAGLE
 (a DFlash head of another block size than K + 1 drafts B - 1 tokens a round instead).
+
+It also prints each drafter's `draft.round_costs` for `draft.confidence_cut=rate`: c_s, the
+time of a round that verifies s drafts, in AR steps, its draft work as the engine does it
+(verify_0 = ar_step):
+  chain    c_s = refill + min(s, K-1) steps + verify_s  (a kept draft's successor is drafted
+           before the cut judges it);
+  P-EAGLE  c_0 = refill + ar_step, c_s = refill + pass + verify_s for s >= 1;
+  DFlash   c_s = context + pass + verify_s (its pass gives d_1 too).
 
     .venv/bin/python scripts/bench_block_pass.py [--chain runs/block_study/eagle3/checkpoints/best]
         [--dflash .../dflash4/... [.../dflash8/...]] [--peagle .../peagle/...] [--context 256] [--reps 60]
@@ -79,8 +89,47 @@ def _ops(name: str, eng, ctx: int, accepted: int, k: int) -> dict:
                 "chain_refill": accept}
     if name == "peagle":
         dr.draft_lengths([req], [ctx], [k])
-        return {"peagle_pass": lambda: dr.begin_round([req], [ctx]), "peagle_refill": accept}
+        tok = ids[ctx:ctx + 1]
+
+        def mask_pass():  # the verbs a round that keeps d_1 calls: the pass runs in step 1
+            dr.step([req], [ctx], 1, tok, dr.begin_round([req], [ctx])[0])
+
+        return {"peagle_pass": mask_pass, "peagle_refill": accept}
     return {f"{name}_pass": lambda: dr.begin_round([req], [ctx]), f"{name}_context": accept}
+
+
+def _target_ops(eng, ctx: int, k: int) -> dict:
+    """The target's pass over 1 (an AR step) and 2..k+1 rows after `ctx` cached tokens."""
+    model, ps = eng.model, eng.cfg.page_size
+    span = ctx + k + 2
+    pages = list(range(span // ps + 1))
+    ids = torch.randint(0, model.arch.vocab_size, (span,), generator=torch.Generator().manual_seed(1))
+
+    def plan(q: int, kv: int):
+        return eng.backend.plan(BatchLayout([q], [kv], [pages], ps))
+
+    model(ids[:ctx], plan(ctx, ctx), eng.cache, compute_logits=False)
+
+    def rows(q: int):
+        return lambda: model(ids[ctx:ctx + q], plan(q, ctx + q), eng.cache)
+
+    return {"ar_step": rows(1), **{f"verify_{q}": rows(q) for q in range(2, k + 2)}}
+
+
+def round_costs(med: dict, k: int) -> dict:
+    """Each drafter's draft.round_costs [c_0..c_K] in AR steps (module docstring)."""
+    ar = med["ar_step"]
+    verify = [ar] + [med[f"verify_{s + 1}"] for s in range(1, k + 1)]
+    costs = {"chain": [med["chain_refill"] + min(s, k - 1) * med["chain_step"] + verify[s]
+                       for s in range(k + 1)],
+             "peagle": [med["peagle_refill"] + (med["peagle_pass"] if s else 0.0) + verify[s]
+                        for s in range(k + 1)]}
+    for n in med:
+        if n.startswith("dflash") and n.endswith("_pass"):
+            d = n[:-len("_pass")]
+            b = int(d[len("dflash"):])
+            costs[d] = [med[f"{d}_context"] + med[n] + verify[s] for s in range(min(b - 1, k) + 1)]
+    return {n: [round(c / ar, 3) for c in v] for n, v in costs.items()}
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -99,6 +148,8 @@ def measure(args: argparse.Namespace) -> dict:
             name = f"dflash{eng.drafter.block}"
         with torch.inference_mode(), eng.step_threads():
             ops.update(_ops(name, eng, args.context, args.accepted, args.k))
+    with torch.inference_mode(), engines[0].step_threads():
+        ops.update(_target_ops(engines[0], args.context, args.k))
     times: dict[str, list[float]] = {name: [] for name in ops}
     with torch.inference_mode(), engines[0].step_threads():
         for rep in range(args.reps + 3):
@@ -120,7 +171,8 @@ def measure(args: argparse.Namespace) -> dict:
             "median_ms": {n: round(v, 3) for n, v in med.items()},
             "min_ms": {n: round(min(v) * 1e3, 3) for n, v in times.items()},
             "ratio_to_chain_step": {n: round(v / step, 3) for n, v in med.items()},
-            "round_ms": {n: round(v, 3) for n, v in rounds.items()}}
+            "round_ms": {n: round(v, 3) for n, v in rounds.items()},
+            "round_costs": round_costs(med, k)}
 
 
 def main() -> None:
@@ -143,6 +195,8 @@ def main() -> None:
         print(f"  {n:<16} {v:7.3f} ms  {ratio[n]:5.2f}x chain_step  (min {res['min_ms'][n]:.3f})")
     for n, v in rounds.items():
         print(f"  round draft work, {n:<7} {v:7.3f} ms  {v / rounds['chain']:5.2f}x the chain's")
+    for n, c in res["round_costs"].items():
+        print(f"  {n:<8} rounds of 0..{len(c) - 1} drafts: draft.round_costs={c}")
     print(json.dumps(res))
 
 

@@ -257,6 +257,33 @@ def test_the_cut_reads_the_confidence_head(loaded, fitted, bias, drafts):
         assert sum(p == 3 for p in rounds) >= 0.75 * len(rounds)
 
 
+def test_peagle_pass_waits_for_the_cut_of_d1(loaded, fitted, monkeypatch):
+    """P-EAGLE's d_1 comes from the refill, so its mask pass runs only in the rounds whose
+    d_1 the cut keeps (and that may draft more than one): one prompt at a time, the passes
+    are exactly those rounds, each of K - 1 rows, and the output is the autoregressive one."""
+    path, prompts, ar, median = fitted["peagle"]
+    calls = []
+    real = ParallelHeadDrafter._mask_pass
+    monkeypatch.setattr(ParallelHeadDrafter, "_mask_pass",
+                        lambda self, rows, plan: calls.append(rows) or real(self, rows, plan))
+    eng, new = _engine(loaded, path, conf=median), 24
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    cut_rounds = 0
+    for prompt, want in zip(prompts, ar):
+        calls.clear()
+        r = eng.generate([prompt], params, progress=False)[0]
+        assert r.token_ids == want
+        made, passes = 1, []  # tokens out before the round (the prefill's first)
+        for proposed, accepted in zip(r.meta["proposed"][1:], r.meta["accepted"][1:]):
+            k = min(3, new - made - 1)  # the round's draft length
+            if proposed >= 1 and k > 1:
+                passes.append(k - 1)
+            cut_rounds += proposed == 0 and k > 1
+            made += accepted + 1
+        assert calls == passes
+    assert cut_rounds > 0  # rounds that paid no pass
+
+
 def test_refusals(loaded, fitted):
     path, prompts, _, _ = fitted["dflash"]
     with pytest.raises(ValueError, match="num_draft=4 is more than the 3"):

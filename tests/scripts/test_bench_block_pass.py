@@ -1,6 +1,7 @@
 """scripts/bench_block_pass.py on the tiny target with random heads: every verb it times runs
-(a chain step, the refills, DFlash's context write and block pass, P-EAGLE's mask pass) and
-the round sums are the parts it names."""
+(a chain step, the refills, DFlash's context write and block pass, P-EAGLE's mask pass, the
+target's AR step and verifications), the round sums are the parts it names, and each
+drafter's draft.round_costs are its round's parts over the AR step."""
 from __future__ import annotations
 
 import argparse
@@ -38,10 +39,20 @@ def test_block_pass_bench_times_every_verb(tmp_path):
     res = bb.measure(args)
     med = res["median_ms"]
     assert set(med) == {"chain_step", "chain_refill", "peagle_pass", "peagle_refill",
-                        "dflash4_pass", "dflash4_context", "dflash6_pass", "dflash6_context"}
+                        "dflash4_pass", "dflash4_context", "dflash6_pass", "dflash6_context",
+                        "ar_step", "verify_2", "verify_3", "verify_4"}
     assert all(v > 0 for v in med.values())
     assert res["ratio_to_chain_step"]["chain_step"] == 1.0
     rounds = res["round_ms"]
     assert rounds["chain"] == pytest.approx(med["chain_refill"] + 2 * med["chain_step"], abs=2e-3)
     assert rounds["dflash6"] == pytest.approx(med["dflash6_context"] + med["dflash6_pass"], abs=2e-3)
     assert rounds["peagle"] == pytest.approx(med["peagle_refill"] + med["peagle_pass"], abs=2e-3)
+    costs, ar = res["round_costs"], med["ar_step"]
+    assert set(costs) == {"chain", "peagle", "dflash4", "dflash6"}
+    assert all(len(c) == 4 for c in costs.values())  # rounds of 0..K drafts (DFlash: <= B-1)
+    verify = [ar, med["verify_2"], med["verify_3"], med["verify_4"]]
+    want = {"chain": [med["chain_refill"] + min(s, 2) * med["chain_step"] + verify[s] for s in range(4)],
+            "peagle": [med["peagle_refill"] + (s > 0) * med["peagle_pass"] + verify[s] for s in range(4)],
+            "dflash6": [med["dflash6_context"] + med["dflash6_pass"] + verify[s] for s in range(4)]}
+    for name, c in want.items():
+        assert costs[name] == pytest.approx([x / ar for x in c], abs=0.05), name

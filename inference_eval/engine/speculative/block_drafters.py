@@ -19,7 +19,8 @@ verified token, known before the pass).
 - `ParallelHeadDrafter`: a P-EAGLE head (heads/eagle3.py, parallel_drafting). Its cache and
   refills are `HeadDrafter`'s (the head's index j holds (h_j, x_{j+1})); a round's steps
   2..K are mask rows at head indices n..n+K-2, run as one causal pass of K-1 rows, which is
-  the chain of step calls they would be (no row reads a draft token).
+  the chain of step calls they would be (no row reads a draft token). d_1 comes from the
+  refill, so the pass waits for d_1's cut (it runs at the round's first `step`).
 - `BlockContextDrafter`: a DFlash head (heads/dflash.py). Its own paged cache (one entry per
   draft layer and verified position, on the target's page tables) holds the keys and values
   of the injected context c_j, written at prefill and after each verification from the
@@ -90,13 +91,35 @@ class _PrecomputedLaws:
 
 
 class ParallelHeadDrafter(_PrecomputedLaws, HeadDrafter):
-    """A P-EAGLE head: d_1 from the refill's carry, d_2..d_K from one pass of mask rows."""
+    """A P-EAGLE head: d_1 from the refill's carry, d_2..d_K from one pass of mask rows.
+
+    d_1's law is known before the pass (the refill made it), and no mask row reads d_1, so
+    the pass waits for d_1's cut: `begin_round` hands out the carry only, and the pass runs
+    at the first `step` for the requests still drafting (a round whose d_1 the confidence
+    cut refuses costs no pass), or at a tree's first `grow` for all of the round's."""
 
     _mask_in: tuple[torch.Tensor, torch.Tensor] | None = None  # head.mask_inputs(), once
+    _round: tuple[list, list[int]] | None = None  # begin_round's (reqs, n) until the pass ran
 
     def draft_lengths(self, reqs, n, ks):
         self.round_ks = {r.id: k for r, k in zip(reqs, ks)}
         return list(ks)
+
+    def begin_round(self, reqs, n):
+        first = self._carried(reqs)[1]  # [L, V]
+        self._laws, self._round = None, (list(reqs), list(n))
+        return torch.arange(len(reqs), device=first.device).unsqueeze(1), first
+
+    def step(self, reqs, n, s, tokens, state):
+        if s == 1:  # d_1 kept: the pass for the requests drafting on, rows renumbered 0..L-1
+            self._laws, self._round = self._round_laws(reqs, n)[0], None
+            state = torch.arange(len(reqs), device=state.device).unsqueeze(1)
+        return super().step(reqs, n, s, tokens, state)
+
+    def grow(self, tokens, state, plan, k):
+        if self._laws is None:  # a tree's first level: the pass for every request of the round
+            self._laws, self._round = self._round_laws(*self._round)[0], None
+        return super().grow(tokens, state, plan, k)
 
     def _round_laws(self, reqs, n):
         first = self._carried(reqs)[1]  # [L, V]
