@@ -49,6 +49,7 @@ from types import SimpleNamespace
 import torch
 
 from inference_eval.engine.attention import BatchLayout
+from inference_eval.engine.speculative.draft_cut import round_costs as cut_costs
 from inference_eval.engine.target import load_target
 from inference_eval.evaluation.config import EvalConfig
 from inference_eval.evaluation.engines import build_engine
@@ -118,18 +119,15 @@ def _target_ops(eng, ctx: int, k: int) -> dict:
 
 def round_costs(med: dict, k: int) -> dict:
     """Each drafter's draft.round_costs [c_0..c_K] in AR steps (module docstring)."""
-    ar = med["ar_step"]
-    verify = [ar] + [med[f"verify_{s + 1}"] for s in range(1, k + 1)]
-    costs = {"chain": [med["chain_refill"] + min(s, k - 1) * med["chain_step"] + verify[s]
-                       for s in range(k + 1)],
-             "peagle": [med["peagle_refill"] + (med["peagle_pass"] if s else 0.0) + verify[s]
-                        for s in range(k + 1)]}
+    verify = [med["ar_step"]] + [med[f"verify_{s + 1}"] for s in range(1, k + 1)]
+    costs = {"chain": cut_costs(verify, med["chain_refill"], step=med["chain_step"]),
+             "peagle": cut_costs(verify, med["peagle_refill"], kept=med["peagle_pass"])}
     for n in med:
         if n.startswith("dflash") and n.endswith("_pass"):
             d = n[:-len("_pass")]
-            b = int(d[len("dflash"):])
-            costs[d] = [med[f"{d}_context"] + med[n] + verify[s] for s in range(min(b - 1, k) + 1)]
-    return {n: [round(c / ar, 3) for c in v] for n, v in costs.items()}
+            drafts = min(int(d[len("dflash"):]) - 1, k)
+            costs[d] = cut_costs(verify[:drafts + 1], med[f"{d}_context"] + med[n])
+    return {n: [round(c, 3) for c in v] for n, v in costs.items()}
 
 
 def measure(args: argparse.Namespace) -> dict:

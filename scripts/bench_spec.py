@@ -47,6 +47,7 @@ from dataclasses import replace
 import torch
 
 from inference_eval.engine.attention import BatchLayout
+from inference_eval.engine.speculative.draft_cut import round_costs
 from inference_eval.engine.speculative.tree import tree_attention_mask
 from inference_eval.engine.target import load_target
 from inference_eval.evaluation import evaluate
@@ -166,14 +167,13 @@ def step_costs(args: argparse.Namespace) -> dict:
            "median_ms": {n: round(v, 2) for n, v in med.items()},
            "min_ms": {n: round(min(v) * 1e3, 2) for n, v in times.items()},
            "ratio_to_ar": {n: round(v / med["ar_step"], 3) for n, v in med.items()}}
-    # A chain round of s drafts (K=4), in AR steps: draft.round_costs for confidence_cut=rate.
-    # The refill (~ a draft step) gives d_1, and each kept draft but the K-th is followed by
-    # the step that drafts its successor before the cut judges it: 1 + min(s, K-1) steps and
-    # s + 1 verified rows (bench_block_pass.py times the refill itself).
+    # A chain round of s drafts (K=4), in AR steps: draft.round_costs for confidence_cut=rate
+    # (draft_cut.round_costs), the refill that gives d_1 counted as one draft step
+    # (bench_block_pass.py times the refill itself).
     ratio = res["ratio_to_ar"]
     verify = [1.0] + [ratio[f"verify_{r}"] for r in range(2, 6)]
-    res["round_costs"] = [round((1 + min(s, 3)) * ratio["draft_step"] + verify[s], 3)
-                          for s in range(5)]
+    step = ratio["draft_step"]
+    res["round_costs"] = [round(c, 3) for c in round_costs(verify, step, step=step)]
     print(f"step costs at context {ctx} ({res['threads']} threads, median of {args.step_reps}):")
     for n in ops:
         print(f"  {n:<11} {med[n]:8.2f} ms  {ratio[n]:6.3f}x AR"

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from inference_eval.engine.speculative.draft_cut import EXPLORE, PRIOR, Calibration, DraftCut
+from inference_eval.engine.speculative.draft_cut import (EXPLORE, PRIOR, Calibration, DraftCut,
+                                                          round_costs)
 
 
 def _rate(costs: list[float], k: int) -> DraftCut:
@@ -131,3 +132,15 @@ def test_refusals_name_the_setting():
         DraftCut("prefix")
     with pytest.raises(ValueError, match="use one of"):
         DraftCut("product", 0.5)
+
+
+def test_round_costs_from_measured_parts():
+    """The costs the rate rule reads, from a machine's parts (ms; verify[s]: s + 1 rows): a
+    chain pays its refill and a step per kept draft but the last, P-EAGLE its mask pass only
+    once d_1 is kept, DFlash its context write and pass every round; in AR steps."""
+    verify = [10.0, 12.0, 13.0, 14.0, 15.0]
+    chain = round_costs(verify, 1.0, step=0.5)
+    assert chain == pytest.approx([1.1, 1.35, 1.5, 1.65, 1.75])
+    assert round_costs(verify, 1.0, kept=2.0) == pytest.approx([1.1, 1.5, 1.6, 1.7, 1.8])
+    assert round_costs(verify[:4], 3.0) == pytest.approx([1.3, 1.5, 1.6, 1.7])
+    assert round_costs(verify, 0.0, step=1.0, max_steps=4)[4] == pytest.approx(1.9)

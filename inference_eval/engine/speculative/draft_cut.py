@@ -36,6 +36,21 @@ PRIOR = 4.0  # pseudo-observations per bin at the drafts' own confidence
 EXPLORE = 8  # every EXPLORE-th round (of an engine) keeps each request's first draft
 
 
+def round_costs(verify: list[float], base: float, kept: float = 0.0, step: float = 0.0,
+                max_steps: int | None = None) -> list[float]:
+    """draft.round_costs from a machine's measured parts, all in one unit (ms or AR steps):
+    verify [K + 1], the target's pass over s + 1 rows (verify[0]: one row, an AR step); base,
+    the draft work every round pays (a refill, a context write and a pass that gives d_1);
+    kept, work paid once d_1 is kept (P-EAGLE's mask pass); step, one sequential draft step,
+    run after each kept draft but the last allowed (max_steps, default K - 1) to draft its
+    successor before the rule judges it -> [c_0..c_K], c_s = base + kept [s > 0] +
+    min(s, max_steps) step + verify[s], over verify[0] (in AR steps)."""
+    k = len(verify) - 1
+    cap = k - 1 if max_steps is None else max_steps
+    return [(base + (kept if s else 0.0) + min(s, cap) * step + verify[s]) / verify[0]
+            for s in range(k + 1)]
+
+
 class Calibration:
     """Confidence -> the acceptance rate of drafts that confident, learnt from the rounds."""
 
@@ -92,8 +107,8 @@ class DraftCut:
             if not round_costs or len(round_costs) < max_drafts + 1:
                 raise ValueError(
                     f"draft.confidence_cut=rate needs draft.round_costs: {max_drafts + 1} costs, "
-                    "a round verifying 0..K drafts in AR steps (scripts/bench_spec.py "
-                    "--steps-only prints them for a machine)")
+                    "a round verifying 0..K drafts in AR steps (scripts/bench_block_pass.py "
+                    "prints them for a machine, scripts/bench_spec.py --steps-only a chain's)")
             if any(not c > 0 for c in round_costs):
                 raise ValueError(f"draft.round_costs={list(round_costs)}: costs must be > 0")
         self.rule = rule
