@@ -112,22 +112,23 @@ class ParallelHeadDrafter(_PrecomputedLaws, HeadDrafter):
 
     def step(self, reqs, n, s, tokens, state):
         if s == 1:  # d_1 kept: the pass for the requests drafting on, rows renumbered 0..L-1
-            self._laws, self._round = self._round_laws(reqs, n)[0], None
+            self._laws, self._round = self._mask_laws(reqs, n), None
             state = torch.arange(len(reqs), device=state.device).unsqueeze(1)
         return super().step(reqs, n, s, tokens, state)
 
     def grow(self, tokens, state, plan, k):
         if self._laws is None:  # a tree's first level: the pass for every request of the round
-            self._laws, self._round = self._round_laws(*self._round)[0], None
+            self._laws, self._round = self._mask_laws(*self._round), None
         return super().grow(tokens, state, plan, k)
 
-    def _round_laws(self, reqs, n):
-        first = self._carried(reqs)[1]  # [L, V]
+    def _mask_laws(self, reqs, n) -> torch.Tensor:
+        """The laws of d_2..d_K [L, K-1, V] of `reqs`, from one pass of their mask rows."""
+        like = self._refilled[2]  # the last refill's logits: the laws' dtype, device and V
         ks = [self.round_ks.get(r.id, 1) for r in reqs]
         deep = [i for i, k in enumerate(ks) if k > 1]
-        laws = first.new_zeros(len(reqs), max(max(ks) - 1, 0), first.shape[-1])
+        laws = like.new_zeros(len(reqs), max(max(ks) - 1, 0), like.shape[-1])
         if not deep:
-            return laws, first
+            return laws
         # Step k of request i sits at head index n_i + k - 2: rows n_i .. n_i + K_i - 2.
         q = [ks[i] - 1 for i in deep]
         layout = self._layout([reqs[i] for i in deep], q, [n[i] + j for i, j in zip(deep, q)])
@@ -136,7 +137,7 @@ class ParallelHeadDrafter(_PrecomputedLaws, HeadDrafter):
         for i, m in zip(deep, q):
             laws[i, :m] = logits[start:start + m]
             start += m
-        return laws, first
+        return laws
 
     def _mask_pass(self, rows: int, plan) -> torch.Tensor:
         """Steps 2..K of `rows` rows -> logits [rows, V]. Not through run(): its compiled
